@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# On the GPU machine: run the P40 benchmark for each model named, one after the other in this one call,
+# score each final checkpoint on the real-FineWeb check shard, and print a table last.
+#   bash scripts/bench_p40.sh d12 [d12_other ...]        (extra train flags: P40_FLAGS="--seed 1")
+# Expects .bench_data/ (see ../shared/BENCHMARKS.md: the proxy .xz shards + fwtextfixer_val_000000.bin).
+# Logs and summaries go to $OUT (the device tool's return folder) or /tmp/bench_out.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/bench_out}
+runs=/tmp/bench_runs
+export P40_DATA=/tmp/p40 PYTHONUNBUFFERED=1
+mkdir -p "$P40_DATA" "$out" "$runs"
+for f in .bench_data/*.xz; do
+  dest="$P40_DATA/$(basename "${f%.xz}")"
+  [ -f "$dest" ] || xz -dc "$f" > "$dest"
+done
+cp .bench_data/fwtextfixer_val_000000.bin "$P40_DATA/"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+for model in "$@"; do
+  name="${model}${P40_TAG:-}"
+  rm -rf "${runs:?}/$name"
+  bash scripts/p40.sh "$model" --output_dir "$runs" --run_name "$name" ${P40_FLAGS:-} 2>&1 | tee "$out/$name.log"
+  python3 scripts/eval_checkpoint.py --checkpoint "$(ls "$runs/$name"/ckpt_*.pt | tail -1)" \
+    --val_bin "$P40_DATA/fwtextfixer_val_000000.bin" --val_tokens 212992 | tee "$runs/$name/fineweb_check.txt"
+  cp "$runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl"
+  cp "$runs/$name/summary.json" "$out/$name.summary.json"
+done
+python3 - "$runs" "$@" <<'PY'
+import json, sys
+runs, names = sys.argv[1], sys.argv[2:]
+print(f"{'run':<16}{'P40 val':>9}{'FW check':>10}{'train s':>9}{'compile s':>10}{'tok/s':>10}{'MFU':>7}{'peak MiB':>10}")
+for name in names:
+    s = json.load(open(f"{runs}/{name}/summary.json"))
+    fw = open(f"{runs}/{name}/fineweb_check.txt").read().split()[-1]
+    mfu = f"{100 * s['mfu']:.1f}%" if s["mfu"] else "n/a"
+    print(f"{name:<16}{s['final_val_loss']:>9.4f}{float(fw):>10.4f}{s['train_time_s']:>9.1f}{s['compile_s']:>10.1f}"
+          f"{s['tokens_per_s']:>10,.0f}{mfu:>7}{s['peak_mem_mib']:>10,.0f}")
+PY

@@ -1,0 +1,45 @@
+"""Score a checkpoint on any validation shard with the trainer's own evaluation (NoCap protocol).
+
+    python scripts/eval_checkpoint.py --checkpoint logs/RUN/ckpt_000300.pt \
+        --val_bin ../shared/data/fineweb_sample/fwtextfixer_val_000000.bin --val_tokens 212992
+
+Prints `val_loss: <nats>`; the same function that decides a training run's stop scores it here.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from train_gpt2 import GPT, GPTConfig, InputError, ValidationSet, evaluate, load_checkpoint  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="a ckpt_*.pt written by train_gpt2.py")
+    p.add_argument("--val_bin", required=True, help="glob of validation shards; the first one is scored")
+    p.add_argument("--val_tokens", type=int, default=1_048_576, help="tokens scored (a multiple of 16*1024)")
+    p.add_argument("--val_batch_size", type=int, default=16)
+    p.add_argument("--sequence_length", type=int, default=None, help="default: the checkpoint's training length")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    args = p.parse_args(argv)
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if use_cuda else "cpu")
+    try:
+        ckpt = load_checkpoint(args.checkpoint, expected={})
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+        T = args.sequence_length or ckpt["sequence_length"]
+        val = ValidationSet(args.val_bin, args.val_tokens, args.val_batch_size, T, rank=0, world_size=1,
+                            vocab_size=model.config.vocab_size, device=device)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"val_loss: {evaluate(model.to(device), val, world_size=1):.6f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,941 @@
+"""Train a GPT-2-class model on FineWeb GPT-2 token shards until validation loss reaches a target.
+
+    torchrun --standalone --nproc_per_node=1 train_gpt2.py --model=d12     # the NoCap-Test baseline
+    python train_gpt2.py --list_models                                       # what --model accepts
+
+`--model=d12` with NoCap-Test's flags is the same math and data order as BottleCapAI/NoCap-Test's
+train_gpt2.py; everything else (variants, logs, resume, DDP on CPU) is built around that one loop.
+The file reads top to bottom in sections:
+
+    config & CLI  ->  model  ->  data  ->  evaluation  ->  optimizer & schedule
+    ->  measurement (FLOPs, MFU)  ->  run directory & checkpoints  ->  train()  ->  main()
+"""
+
+import argparse
+import contextlib
+import copy
+import glob
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model_variants import VARIANTS, GPTConfig, config_fields, get_variant, with_overrides
+
+REPO_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class InputError(Exception):
+    """Bad input (a flag, a data file, a checkpoint, a run directory). main() prints the message as one
+    `error: ...` line and exits with code 2; the message names the thing and the fix."""
+
+
+# =============================================================================
+# Config & CLI
+# =============================================================================
+
+NOCAP_TARGET_VAL_LOSS = 3.3821
+NOCAP_VAL_TOKENS = 1_048_576  # fixed so that every run is scored on exactly the same tokens
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI. Defaults reproduce NoCap-Test's published baseline run (2.5B tokens, 4768 steps)."""
+    p = argparse.ArgumentParser(
+        description="Train GPT-2 on FineWeb token shards until val loss <= --target_val_loss.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("data")
+    g.add_argument("--input_bin", default="data/fineweb10B/fineweb_train_*.bin",
+                   help="glob of training shards, read in sorted order (get them: python data/fineweb.py)")
+    g.add_argument("--input_val_bin", default="data/fineweb10B/fineweb_val_*.bin",
+                   help="glob of validation shards; the first --val_tokens tokens of the first one are scored")
+    g.add_argument("--val_tokens", type=int, default=NOCAP_VAL_TOKENS,
+                   help="validation tokens per evaluation; keep the default to compare with NoCap-Test")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="d12", help="a registered variant (see --list_models)")
+    g.add_argument("--list_models", action="store_true", help="print the registered variants and exit")
+    for field in config_fields():
+        kind = _parse_bool if field.type is bool else field.type
+        g.add_argument(f"--{field.name}", type=kind, default=None,
+                       help=f"override the variant's {field.name} (GPTConfig default {field.default!r})")
+
+    g = p.add_argument_group("batch")
+    g.add_argument("--batch_size", type=int, default=16,
+                   help="sequences per micro-batch per GPU; halve it (and double accumulation) if you run out of memory")
+    g.add_argument("--sequence_length", type=int, default=1024, help="tokens per sequence")
+    g.add_argument("--grad_accumulation_steps", type=int, default=None,
+                   help="micro-batches per optimizer step summed over all GPUs (NoCap semantics: divided by "
+                        "the number of processes); default 32, or derived from --total_batch_size")
+    g.add_argument("--total_batch_size", type=int, default=None,
+                   help="tokens per optimizer step; derives --grad_accumulation_steps")
+
+    g = p.add_argument_group("optimization")
+    g.add_argument("--num_iterations", type=int, default=4768, help="optimizer steps at most")
+    g.add_argument("--learning_rate", type=float, default=0.0018, help="peak AdamW learning rate")
+    g.add_argument("--warmup_iters", type=int, default=256, help="linear warmup steps")
+    g.add_argument("--warmdown_iters", type=int, default=1024, help="linear decay-to-zero steps at the end")
+    g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay (all parameters)")
+    g.add_argument("--seed", type=int, default=0, help="seed for model init")
+
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--val_loss_every", type=int, default=128, help="evaluate every N steps (0: only at the end)")
+    g.add_argument("--val_batch_size", type=int, default=16, help="validation rows per batch per GPU")
+    g.add_argument("--target_val_loss", type=float, default=NOCAP_TARGET_VAL_LOSS,
+                   help="stop at the first evaluation at or below this (0 disables)")
+
+    g = p.add_argument_group("run")
+    g.add_argument("--output_dir", default="logs", help="runs are written to <output_dir>/<run_name>/")
+    g.add_argument("--run_name", default=None, help="default: <model>-<date>-<time>")
+    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model (default: on for CUDA, off for CPU)")
+    g.add_argument("--save_every", type=int, default=0,
+                   help="also checkpoint every N steps (a final checkpoint is always written)")
+    g.add_argument("--resume", default=None,
+                   help="checkpoint path, or 'auto' for the newest checkpoint in the run directory")
+    g.add_argument("--log_wandb", action="store_true", help="also log to Weights & Biases (pip install wandb)")
+    return p
+
+
+def resolve_model_config(args) -> GPTConfig:
+    try:
+        base = get_variant(args.model)
+    except KeyError as e:
+        raise InputError(f"--model: {e.args[0]}") from None
+    overrides = {f.name: getattr(args, f.name) for f in config_fields()}
+    try:
+        return with_overrides(base, **overrides)
+    except ValueError as e:
+        raise InputError(f"--model {args.model} with overrides: {e}") from None
+
+
+def resolve_grad_accumulation(args, world_size: int) -> int:
+    """Micro-batches per optimizer step on this process (NoCap: the global count / world size)."""
+    tokens_per_micro_batch = args.batch_size * args.sequence_length * world_size
+    if args.total_batch_size is not None:
+        if args.total_batch_size % tokens_per_micro_batch:
+            raise InputError(
+                f"--total_batch_size {args.total_batch_size} is not a multiple of batch_size*sequence_length"
+                f"*world_size = {tokens_per_micro_batch}; pick a multiple or change --batch_size")
+        per_process = args.total_batch_size // tokens_per_micro_batch
+        if args.grad_accumulation_steps is not None and args.grad_accumulation_steps != per_process * world_size:
+            raise InputError(
+                f"--grad_accumulation_steps {args.grad_accumulation_steps} contradicts --total_batch_size "
+                f"{args.total_batch_size} (which implies {per_process * world_size}); pass only one of them")
+        return per_process
+    global_steps = 32 if args.grad_accumulation_steps is None else args.grad_accumulation_steps
+    if global_steps < 1 or global_steps % world_size:
+        raise InputError(
+            f"--grad_accumulation_steps {global_steps} must be a positive multiple of the number of "
+            f"processes ({world_size})")
+    return global_steps // world_size
+
+
+def check_run_flags(args):
+    positive = ("batch_size", "sequence_length", "num_iterations", "val_batch_size", "val_tokens")
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name} {getattr(args, name)} must be >= 1")
+    for name in ("warmup_iters", "warmdown_iters", "val_loss_every", "save_every"):
+        if getattr(args, name) < 0:
+            raise InputError(f"--{name} {getattr(args, name)} must be >= 0")
+    if args.warmdown_iters > args.num_iterations:
+        raise InputError(f"--warmdown_iters {args.warmdown_iters} exceeds --num_iterations {args.num_iterations}")
+
+
+# =============================================================================
+# Model
+# =============================================================================
+
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    # Parameter-free, computed in fp32 and cast back, as NoCap does: the residual stream is fp32 but
+    # under autocast branch outputs arrive in bf16.
+    return F.rms_norm(x.float(), (x.size(-1),), eps=eps).type_as(x)
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (1, T, 1, head_dim/2) in fp32, broadcast over batch and heads."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    freqs = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Half-split layout: the first half of head_dim pairs with the second half (not interleaved).
+    d = x.size(-1) // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], dim=-1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
+    """The attention seam. q, k, v: (B, n_head, T, head_dim) -> (B, n_head, T, head_dim)."""
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # "manual": the plain definition, kept as the reference every fused path is tested against.
+    T = q.size(-2)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, n_head, T, T)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(future, float("-inf")).float().softmax(dim=-1).type_as(v)
+    return probs @ v
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        n_head, head_dim = self.config.n_head, self.config.head_dim
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = apply_rotary(q.view(B, T, n_head, head_dim), cos, sin)
+        k = apply_rotary(k.view(B, T, n_head, head_dim), cos, sin)
+        v = v.view(B, T, n_head, head_dim)
+        y = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.config.attn_impl)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, config.mlp_ratio * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(config.mlp_ratio * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.eps = config.norm_eps
+        self.attn = CausalSelfAttention(config)
+        self.mlp = MLP(config)
+        # NoCap scales only the attention branch, to keep the residual stream's variance in check.
+        self.attn_scale = 1 / math.sqrt(2 * config.n_layer)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn_scale * self.attn(rms_norm(x, self.eps), cos, sin)
+        return x + self.mlp(rms_norm(x, self.eps))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        # Built in NoCap's order (embedding, blocks, head) with PyTorch's default inits.
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied; keeps the Linear's init
+
+    def forward(self, idx, targets=None, return_logits=True):
+        """idx, targets: (B, T) token ids. Returns (logits or None, mean cross-entropy or None)."""
+        T = idx.size(1)
+        cos, sin = rotary_tables(T, self.config.head_dim, self.config.rope_base, idx.device)
+        x = self.transformer.wte(idx)  # (B, T, n_embd)
+        for block in self.transformer.h:
+            x = block(x, cos, sin)
+        x = rms_norm(x, self.config.norm_eps)
+        if targets is not None:
+            logits = self.lm_head(x)  # (B, T, vocab)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits, loss = self.lm_head(x[:, [-1], :]), None  # inference: only the last position
+        return (logits if return_logits else None), loss
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # the tied matrix counts once
+
+    def matmul_params(self) -> int:
+        """Parameters used in matrix products per token (every Linear, the lm_head included)."""
+        return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+
+
+# =============================================================================
+# Data: the llm.c / NoCap shard format and a loader with NoCap's data order
+# =============================================================================
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_INTS = 256  # int32 header: magic, version, token count, then zeros
+HEADER_BYTES = HEADER_INTS * 4
+
+
+def read_shard_header(path: str) -> int:
+    """Validate a shard's header against its size; return its token count."""
+    size = os.path.getsize(path)
+    if size < HEADER_BYTES:
+        raise InputError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header — "
+                         "not a token shard; re-create it with python data/fineweb.py")
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+    if header[0] != SHARD_MAGIC:
+        raise InputError(f"{path}: header magic {header[0]} != {SHARD_MAGIC} — not a GPT-2 token shard; "
+                         "re-create it with python data/fineweb.py")
+    if header[1] != SHARD_VERSION:
+        raise InputError(f"{path}: shard version {header[1]} != {SHARD_VERSION}; re-create it with "
+                         "python data/fineweb.py")
+    n_tokens = int(header[2])
+    if size != HEADER_BYTES + 2 * n_tokens:
+        raise InputError(f"{path}: header says {n_tokens:,} tokens but the file holds "
+                         f"{(size - HEADER_BYTES) / 2:,.1f} — truncated or corrupt; download it again")
+    return n_tokens
+
+
+def load_shard(path: str, vocab_size: int, count: int = -1) -> np.ndarray:
+    """The shard's uint16 tokens (the first `count` only, if given), checked against the vocabulary."""
+    n_tokens = read_shard_header(path)
+    tokens = np.fromfile(path, dtype=np.uint16, offset=HEADER_BYTES, count=n_tokens if count < 0 else count)
+    if tokens.size and int(tokens.max()) >= vocab_size:
+        bad = int(np.argmax(tokens >= vocab_size))
+        raise InputError(f"{path}: token id {int(tokens[bad])} at position {bad:,} is >= vocab_size "
+                         f"{vocab_size} — shard made with another tokenizer, or the wrong --vocab_size")
+    return tokens
+
+
+def write_shard(path: str, tokens: np.ndarray) -> None:
+    """Write tokens as a shard atomically (temp file in the same directory, then rename)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        raise ValueError(f"{path}: token ids must fit in uint16")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = (SHARD_MAGIC, SHARD_VERSION, tokens.size)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.uint16).tobytes())
+    os.replace(tmp, path)
+
+
+def match_shards(pattern: str, flag: str) -> list[str]:
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise InputError(f"{flag}: no files match {pattern!r}; download FineWeb with "
+                         "`python data/fineweb.py` or point the flag at existing .bin shards")
+    return files
+
+
+class TokenLoader:
+    """NoCap's DistributedDataLoader: every process walks the shards in sorted order; rank r reads
+    contiguous windows of B*T+1 tokens at offsets r*B*T, (world+r)*B*T, ...; a shard is left as soon
+    as the next round of windows would not fit, and the walk wraps around at the end.
+
+    Its whole state is how many batches it has handed out, so a resumed run replays the walk from
+    shard headers alone (`skip`) instead of storing per-rank positions."""
+
+    def __init__(self, pattern: str, B: int, T: int, rank: int, world_size: int, vocab_size: int,
+                 device: torch.device, flag: str = "--input_bin"):
+        self.files = match_shards(pattern, flag)
+        self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
+        self.vocab_size, self.device = vocab_size, device
+        self.shard_tokens = [read_shard_header(f) for f in self.files]
+        for path, n_tokens in zip(self.files, self.shard_tokens):
+            if n_tokens < world_size * B * T + 1:
+                raise InputError(f"{path}: {n_tokens:,} tokens is fewer than one batch round "
+                                 f"(world_size*B*T+1 = {world_size * B * T + 1:,}); lower --batch_size "
+                                 "or --sequence_length")
+        self.total_tokens = sum(self.shard_tokens)
+        self.batches_drawn = 0
+        self._set_position(0, rank * B * T)
+
+    def _set_position(self, shard: int, position: int):
+        if getattr(self, "shard", None) != shard:
+            self.tokens = load_shard(self.files[shard], self.vocab_size)
+        self.shard, self.position = shard, position
+
+    def _advance(self, shard: int, position: int) -> tuple[int, int]:
+        """Where the walk is after one batch handed out at (shard, position)."""
+        stride = self.B * self.T * self.world_size
+        position += stride
+        if position + stride + 1 > self.shard_tokens[shard]:
+            shard, position = (shard + 1) % len(self.files), self.rank * self.B * self.T
+        return shard, position
+
+    def skip(self, n_batches: int):
+        shard, position = self.shard, self.position
+        for _ in range(n_batches):
+            shard, position = self._advance(shard, position)
+        self._set_position(shard, position)
+        self.batches_drawn += n_batches
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T = self.B, self.T
+        window = torch.from_numpy(self.tokens[self.position: self.position + B * T + 1].astype(np.int64))
+        if self.device.type == "cuda":
+            window = window.pin_memory().to(self.device, non_blocking=True)
+        self._set_position(*self._advance(self.shard, self.position))
+        self.batches_drawn += 1
+        return window[:-1].view(B, T), window[1:].view(B, T)
+
+
+class ValidationSet:
+    """The first `val_tokens` (+1 for the last target) tokens of the first validation shard, cut into
+    batches of `val_batch_size` rows of T tokens, batch k of rank r at offset (k*world + r)*B*T: exactly
+    the windows NoCap's reset loader visits, so the mean over ranks is the mean over all tokens."""
+
+    def __init__(self, pattern: str, val_tokens: int, B: int, T: int, rank: int, world_size: int,
+                 vocab_size: int, device: torch.device):
+        tokens_per_round = B * T * world_size
+        if val_tokens % tokens_per_round:
+            raise InputError(f"--val_tokens {val_tokens:,} is not a multiple of val_batch_size*sequence_length"
+                             f"*world_size = {tokens_per_round:,}; change --val_tokens or --val_batch_size")
+        path = match_shards(pattern, "--input_val_bin")[0]
+        available = read_shard_header(path)
+        if available < val_tokens + 1:
+            raise InputError(f"{path}: {available:,} tokens, fewer than --val_tokens {val_tokens:,} + 1; "
+                             "lower --val_tokens or use a longer validation shard")
+        tokens = torch.from_numpy(load_shard(path, vocab_size, count=val_tokens + 1).astype(np.int64))
+        self.steps = val_tokens // tokens_per_round
+        starts = [(k * world_size + rank) * B * T for k in range(self.steps)]
+        # Kept on the device: 1M tokens is 8 MB, and evaluation then never waits on the host.
+        self.batches = [tokens[s: s + B * T + 1].to(device) for s in starts]
+        self.B, self.T = B, T
+
+    def __iter__(self):
+        for window in self.batches:
+            yield window[:-1].view(self.B, self.T), window[1:].view(self.B, self.T)
+
+
+# =============================================================================
+# Evaluation (kept apart from the variants so none of them can change how it scores)
+# =============================================================================
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val: ValidationSet, world_size: int) -> float:
+    """Mean next-token cross-entropy (nats) over the validation tokens. Like NoCap, no autocast: the
+    model is scored in its own (fp32) precision."""
+    was_training = model.training
+    model.eval()
+    total = None
+    for x, y in val:
+        _, loss = model(x, y, return_logits=False)
+        total = loss.float() if total is None else total + loss.float()
+    mean = total / val.steps
+    if world_size > 1:
+        dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+    model.train(was_training)
+    return mean.item()
+
+
+# =============================================================================
+# Optimizer & schedule
+# =============================================================================
+
+def make_optimizer(model: GPT, args, device: torch.device) -> torch.optim.Optimizer:
+    # NoCap: one AdamW group over every parameter, weight decay included on embeddings.
+    return torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
+                             weight_decay=args.weight_decay, fused=device.type == "cuda")
+
+
+def lr_at(step: int, args) -> float:
+    """NoCap's schedule: linear warmup, constant, linear warmdown to zero at num_iterations."""
+    if step < args.warmup_iters:
+        return args.learning_rate * (step + 1) / args.warmup_iters
+    if step < args.num_iterations - args.warmdown_iters:
+        return args.learning_rate
+    return args.learning_rate * (args.num_iterations - step) / args.warmdown_iters
+
+
+# =============================================================================
+# Measurement: FLOPs per token, MFU
+# =============================================================================
+
+# Dense bf16 tensor-core peaks (datasheet, FLOP/s), matched against torch.cuda.get_device_name().
+# A GPU not listed gets MFU "n/a": a wrong peak would make every MFU figure wrong.
+PEAK_BF16_FLOPS = {
+    "H100 80GB HBM3": 989e12,  # H100 SXM
+    "H200": 989e12,
+    "A100": 312e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def flops_per_token(model: GPT, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM convention: 6 per matmul parameter (forward + backward) plus
+    attention's QK^T and AV, 12 * n_layer * T * n_embd."""
+    c = model.config
+    return 6 * model.matmul_params() + 12 * c.n_layer * seq_len * c.n_embd
+
+
+# =============================================================================
+# Run directory, logs and checkpoints
+# =============================================================================
+
+CHECKPOINT_FORMAT = 1
+FINISHED_STATUSES = ("reached_target", "completed")
+
+
+def atomic_write_text(path: str, text: str):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def atomic_torch_save(obj, path: str):
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_DIR, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def list_checkpoints(run_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(run_dir, "ckpt_*.pt")))
+
+
+def resolve_run_dir(args) -> str:
+    """Where this run writes. Refuses to touch a directory that holds a finished run, or a started
+    one unless --resume was asked for, so nothing is ever overwritten."""
+    if args.run_name is None and args.resume not in (None, "auto"):
+        run_dir = os.path.dirname(os.path.abspath(args.resume))  # resume in the checkpoint's own run
+    elif args.run_name is None:
+        if args.resume == "auto":
+            raise InputError("--resume auto needs --run_name (the run to continue)")
+        run_dir = os.path.join(args.output_dir, f"{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
+    else:
+        run_dir = os.path.join(args.output_dir, args.run_name)
+    summary_path = os.path.join(run_dir, "summary.json")
+    if os.path.exists(summary_path):
+        with open(summary_path) as f:
+            status = json.load(f).get("status")
+        if status in FINISHED_STATUSES:
+            raise InputError(f"{run_dir}: already holds a finished run ({status}); choose another --run_name "
+                             "or delete that directory")
+    if args.resume is None and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        raise InputError(f"{run_dir}: already holds a run; pass --resume auto to continue it, or choose "
+                         "another --run_name")
+    return run_dir
+
+
+def resolve_checkpoint_path(args, run_dir: str) -> str | None:
+    if args.resume is None:
+        return None
+    if args.resume == "auto":
+        found = list_checkpoints(run_dir)
+        if not found:
+            raise InputError(f"--resume auto: no ckpt_*.pt in {run_dir}; train without --resume first")
+        return found[-1]
+    if not os.path.isfile(args.resume):
+        raise InputError(f"--resume: no such checkpoint file {args.resume!r}")
+    return args.resume
+
+
+def load_checkpoint(path: str, expected: dict) -> dict:
+    """Load a checkpoint (weights_only: no code from the file runs) and check it fits this run."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a torn or foreign file: say which file and stop
+        raise InputError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise InputError(f"--resume: {path} is not a train_gpt2.py checkpoint (format {CHECKPOINT_FORMAT})")
+    for key, want in expected.items():
+        if ckpt[key] != want:
+            raise InputError(f"--resume: {path} was trained with {key}={ckpt[key]}, this run has {key}={want}; "
+                             "pass the same --model/overrides/batch flags, or start a new run")
+    return ckpt
+
+
+class RunLog:
+    """metrics.jsonl, config.json, summary.json and the printed log of the process with rank 0.
+    Other ranks get a RunLog that writes nothing, so call sites need no rank checks."""
+
+    def __init__(self, run_dir: str | None, resume_step: int | None, wandb_run=None):
+        self.run_dir, self.wandb_run = run_dir, wandb_run
+        self.metrics = None
+        if run_dir is None:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if resume_step is not None and os.path.exists(path):
+            # Drop what was logged after the checkpoint: those steps are about to be trained again.
+            with open(path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+            atomic_write_text(path, "".join(kept))
+        self.metrics = open(path, "a")
+
+    def print(self, message: str):
+        if self.run_dir is not None:
+            print(message, flush=True)
+
+    def record(self, **fields):
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(fields) + "\n")
+            self.metrics.flush()
+            if self.wandb_run is not None:
+                self.wandb_run.log({k: v for k, v in fields.items() if k != "step"}, step=fields["step"])
+
+    def write_json(self, name: str, obj: dict):
+        if self.run_dir is not None:
+            atomic_write_text(os.path.join(self.run_dir, name), json.dumps(obj, indent=2) + "\n")
+
+    def close(self):
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def format_summary(summary: dict) -> str:
+    """The grep-able block every run ends with."""
+    keys = ("status", "reached_target", "target_val_loss", "final_val_loss", "steps", "tokens", "train_time_s",
+            "compile_s", "eval_time_s", "wall_time_s", "tokens_per_s", "mfu", "peak_mem_mib")
+    lines = ["---"]
+    for key in keys:
+        value = summary[key]
+        if value is None:
+            value = "n/a"
+        elif isinstance(value, float):
+            value = f"{value:.4f}" if key in ("final_val_loss", "target_val_loss", "mfu") else f"{value:.1f}"
+        lines.append(f"{key + ':':<17}{value}")
+    return "\n".join(lines)
+
+
+# =============================================================================
+# Training
+# =============================================================================
+
+@dataclass
+class Distributed:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device_flag: str) -> Distributed:
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a plain `python train_gpt2.py` is one process."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise InputError("--device cuda: no CUDA GPU is visible; use --device cpu")
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return Distributed(rank, local_rank, world_size, device)
+
+
+def train_step(model, optimizer, loader: TokenLoader, accumulation: int, lr: float, autocast_ctx,
+               world_size: int) -> torch.Tensor:
+    """One optimizer step over `accumulation` micro-batches; returns the mean loss (a device tensor)."""
+    step_loss = torch.zeros((), device=loader.device)
+    for micro_step in range(accumulation):
+        x, y = loader.next_batch()
+        # DDP all-reduces gradients only on the last micro-batch.
+        last = micro_step == accumulation - 1
+        sync = contextlib.nullcontext() if world_size == 1 or last else model.no_sync()
+        with sync:
+            with autocast_ctx:
+                _, loss = model(x, y, return_logits=False)
+            loss = loss / accumulation
+            step_loss += loss.detach()
+            loss.backward()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if world_size > 1:
+        dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
+    return step_loss
+
+
+def synchronize(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def warm_up_compile(model, raw_model, optimizer, loader, val, accumulation, args, autocast_ctx, env) -> float:
+    """Run a few real training steps and one evaluation so torch.compile builds every graph on the real
+    shapes, then put model, optimizer and data back exactly as they were. Returns the seconds spent."""
+    synchronize(env.device)
+    t0 = time.perf_counter()
+    model_state = copy.deepcopy(raw_model.state_dict())
+    optimizer_state = copy.deepcopy(optimizer.state_dict())
+    batches_drawn = loader.batches_drawn
+    shard, position = loader.shard, loader.position
+    for _ in range(3):
+        train_step(model, optimizer, loader, accumulation, args.learning_rate, autocast_ctx, env.world_size)
+    model.eval()
+    with torch.no_grad():
+        x, y = next(iter(val))
+        model(x, y, return_logits=False)
+    model.train()
+    raw_model.load_state_dict(model_state)
+    optimizer.load_state_dict(optimizer_state)
+    loader._set_position(shard, position)
+    loader.batches_drawn = batches_drawn
+    synchronize(env.device)
+    return time.perf_counter() - t0
+
+
+class StopSignal:
+    """SIGINT/SIGTERM ask the loop to stop at the next step boundary (checkpoint, summary, exit 128+sig)."""
+
+    def __init__(self):
+        self.signum = 0
+        self.previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def requested(self, env: Distributed) -> int:
+        """The signal number if any process got one (all ranks must stop at the same step)."""
+        if env.world_size == 1:
+            return self.signum
+        flag = torch.tensor([self.signum], device=env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+def train(args) -> int:
+    wall_start = time.perf_counter()
+    check_run_flags(args)
+    config = resolve_model_config(args)
+    env = setup_distributed(args.device)
+    accumulation = resolve_grad_accumulation(args, env.world_size)
+    B, T = args.batch_size, args.sequence_length
+    tokens_per_step = B * T * accumulation * env.world_size
+
+    run_dir = resolve_run_dir(args)
+    ckpt_path = resolve_checkpoint_path(args, run_dir)
+    if env.world_size > 1:
+        dist.barrier()  # every rank has checked the run directory before rank 0 starts writing to it
+    train_loader = TokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
+    val = ValidationSet(args.input_val_bin, args.val_tokens, args.val_batch_size, T, env.rank, env.world_size,
+                        config.vocab_size, env.device)
+
+    torch.manual_seed(args.seed)
+    raw_model = GPT(config).to(env.device)
+    optimizer = make_optimizer(raw_model, args, env.device)
+    layout = dict(model_config=asdict(config), batch_size=B, sequence_length=T, world_size=env.world_size,
+                  grad_accumulation_steps=accumulation)
+
+    start_step, train_time_s, evaluated_at_start = 0, 0.0, False
+    if ckpt_path is not None:
+        ckpt = load_checkpoint(ckpt_path, layout)
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        torch.set_rng_state(ckpt["rng_cpu"])
+        if env.device.type == "cuda" and ckpt["rng_cuda"] is not None:
+            torch.cuda.set_rng_state(ckpt["rng_cuda"], env.device)
+        train_loader.skip(ckpt["batches_drawn"])
+        start_step, train_time_s = ckpt["step"], ckpt["train_time_s"]
+        evaluated_at_start = ckpt["evaluated"]
+
+    wandb_run = None
+    if args.log_wandb and env.is_main:
+        try:
+            import wandb
+        except ImportError:
+            raise InputError("--log_wandb: wandb is not installed; pip install wandb, or drop the flag") from None
+        wandb_run = wandb.init(project="gpt2-speedrun", name=os.path.basename(run_dir), config=vars(args))
+    log = RunLog(run_dir if env.is_main else None, start_step if ckpt_path else None, wandb_run)
+
+    use_compile = env.device.type == "cuda" if args.compile is None else args.compile
+    model = torch.compile(raw_model) if use_compile else raw_model
+    if env.world_size > 1:
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    # NoCap: bf16 autocast on CUDA; CPU runs stay in fp32 so tests are exact.
+    autocast_ctx = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda"
+                    else contextlib.nullcontext())
+
+    log.write_json("config.json", dict(
+        args=vars(args), model_config=asdict(config), run_dir=run_dir, git_sha=git_sha(),
+        torch_version=torch.__version__, cuda_version=torch.version.cuda,
+        device=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",
+        world_size=env.world_size, grad_accumulation_steps_per_process=accumulation,
+        tokens_per_step=tokens_per_step, num_params=raw_model.num_params(),
+        resumed_from=ckpt_path, compile=use_compile))
+    log.print(f"model {args.model}: {raw_model.num_params():,} parameters | {tokens_per_step:,} tokens/step "
+              f"({B}x{T} x {accumulation} accumulation x {env.world_size} processes) | train data "
+              f"{train_loader.total_tokens:,} tokens in {len(train_loader.files)} shards | run dir {run_dir}")
+
+    compile_s = 0.0
+    if use_compile:
+        log.print("compiling (warm-up steps on real batches, then state is restored)...")
+        compile_s = warm_up_compile(model, raw_model, optimizer, train_loader, val, accumulation, args,
+                                    autocast_ctx, env)
+        log.print(f"compile warm-up: {compile_s:.1f}s")
+
+    flops_token, peak = flops_per_token(raw_model, T), peak_flops(env.device)
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+    step_seconds: list[float] = []  # this session's steps, for the steady-state median
+    eval_time_s, final_val_loss, status = 0.0, None, "completed"
+    progress = None
+    if env.is_main and sys.stdout.isatty():
+        from tqdm import tqdm
+        progress = tqdm(total=args.num_iterations, initial=start_step, unit="step", dynamic_ncols=True)
+    emit = progress.write if progress is not None else log.print
+
+    def checkpoint(step: int, evaluated: bool):
+        if not env.is_main:
+            return
+        path = os.path.join(run_dir, f"ckpt_{step:06d}.pt")
+        atomic_torch_save(dict(
+            format=CHECKPOINT_FORMAT, model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
+            step=step, batches_drawn=train_loader.batches_drawn, train_time_s=train_time_s, evaluated=evaluated,
+            rng_cpu=torch.get_rng_state(),
+            rng_cuda=torch.cuda.get_rng_state(env.device) if env.device.type == "cuda" else None,
+            **layout), path)
+        for older in list_checkpoints(run_dir):  # keep only the newest: a d12 checkpoint is ~1.5 GB
+            if older != path:
+                os.remove(older)
+
+    step = start_step
+    with StopSignal() as stop:
+        while True:
+            signum = stop.requested(env)
+            if signum:
+                status = "interrupted"
+                emit(f"received signal {signum}: checkpointing at step {step} and stopping")
+                checkpoint(step, evaluated=False)
+                break
+            last_step = step == args.num_iterations
+            evaluated = False
+            eval_due = last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0)
+            if eval_due and not (step == start_step and evaluated_at_start):
+                t0 = time.perf_counter()
+                final_val_loss = evaluate(model, val, env.world_size)
+                eval_s = time.perf_counter() - t0
+                eval_time_s += eval_s
+                evaluated = True
+                log.record(step=step, tokens=step * tokens_per_step, val_loss=final_val_loss,
+                           train_time_s=train_time_s, eval_s=eval_s)
+                emit(f"step:{step}/{args.num_iterations} | val loss {final_val_loss:.6f} | "
+                     f"train_time {train_time_s:.1f}s")
+                if 0 < args.target_val_loss and final_val_loss <= args.target_val_loss:
+                    status = "reached_target"
+                    break
+            if last_step:
+                break
+            if args.save_every and step > start_step and step % args.save_every == 0:
+                checkpoint(step, evaluated)
+
+            lr = lr_at(step, args)
+            synchronize(env.device)
+            t0 = time.perf_counter()
+            step_loss = train_step(model, optimizer, train_loader, accumulation, lr, autocast_ctx, env.world_size)
+            synchronize(env.device)
+            step_s = time.perf_counter() - t0
+            train_time_s += step_s
+            step_seconds.append(step_s)
+            step += 1
+
+            tokens_per_s = tokens_per_step / step_s
+            mfu = flops_token * tokens_per_s / (peak * env.world_size) if peak else None
+            peak_mem = torch.cuda.max_memory_allocated(env.device) / 2**20 if env.device.type == "cuda" else None
+            train_loss = step_loss.item()
+            log.record(step=step, tokens=step * tokens_per_step, train_loss=train_loss, lr=lr,
+                       step_ms=1000 * step_s, tokens_per_s=tokens_per_s, mfu=mfu, train_time_s=train_time_s,
+                       peak_mem_mib=peak_mem)
+            line = (f"step:{step}/{args.num_iterations} | loss {train_loss:.6f} | lr {lr:.3e} | "
+                    f"{1000 * step_s:.1f}ms | {tokens_per_s:,.0f} tok/s"
+                    + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") + f" | train_time {train_time_s:.1f}s")
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+            else:
+                emit(line)
+        if status != "interrupted":
+            checkpoint(step, evaluated)
+    if progress is not None:
+        progress.close()
+
+    # Steady state: skip compile stragglers and allocator warm-up in the first ~10 steps.
+    steady = step_seconds[10:] if len(step_seconds) > 10 else step_seconds
+    tokens_per_s = tokens_per_step / statistics.median(steady) if steady else None
+    summary = dict(
+        status=status, reached_target=status == "reached_target", target_val_loss=args.target_val_loss,
+        final_val_loss=final_val_loss, steps=step, tokens=step * tokens_per_step, train_time_s=train_time_s,
+        compile_s=compile_s, eval_time_s=eval_time_s, wall_time_s=time.perf_counter() - wall_start,
+        tokens_per_s=tokens_per_s,
+        mfu=flops_token * tokens_per_s / (peak * env.world_size) if peak and tokens_per_s else None,
+        peak_mem_mib=torch.cuda.max_memory_allocated(env.device) / 2**20 if env.device.type == "cuda" else None,
+        model=args.model, run_dir=run_dir)
+    log.write_json("summary.json", summary)
+    log.print(format_summary(summary))
+    log.close()
+    if env.world_size > 1:
+        dist.destroy_process_group()
+    return 128 + stop.signum if status == "interrupted" else 0
+
+
+def list_models() -> str:
+    rows = [f"{'name':<8} {'layers':>6} {'heads':>5} {'width':>5} {'params':>8}"]
+    for name, config in VARIANTS.items():
+        with torch.device("meta"):
+            params = GPT(config).num_params()
+        rows.append(f"{name:<8} {config.n_layer:>6} {config.n_head:>5} {config.n_embd:>5} {params / 1e6:>7.1f}M")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list_models:
+        print(list_models())
+        return 0
+    try:
+        return train(args)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
