@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on for CUDA, off for CPU)")
+    g.add_argument("--coordinate_descent_tuning", action=argparse.BooleanOptionalAction, default=True,
+                   help="let inductor tune kernel launch parameters while compiling, as NoCap does (slower "
+                        "compile, faster steps)")
     g.add_argument("--save_every", type=int, default=0,
                    help="also checkpoint every N steps (a final checkpoint is always written)")
     g.add_argument("--resume", default=None,
@@ -786,6 +789,9 @@ def train(args) -> int:
     log = RunLog(run_dir if env.is_main else None, start_step if ckpt_path else None, wandb_run)
 
     use_compile = env.device.type == "cuda" if args.compile is None else args.compile
+    if use_compile:
+        import torch._inductor.config as inductor_config
+        inductor_config.coordinate_descent_tuning = args.coordinate_descent_tuning
     model = torch.compile(raw_model) if use_compile else raw_model
     if env.world_size > 1:
         model = nn.parallel.DistributedDataParallel(
