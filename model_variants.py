@@ -17,6 +17,7 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * n_embd
+    block_size: int = 1024  # longest sequence the model accepts (sizes the rotary tables)
     rope_base: float = 10000.0
     norm_eps: float = 1e-6  # parameter-free RMSNorm epsilon
     # The attention seam: "sdpa" lets PyTorch pick its fastest kernel (flash / cuDNN / efficient);
@@ -36,7 +37,7 @@ class GPTConfig:
                 f"head_dim={self.n_embd // self.n_head} is odd; rotary embedding needs an even "
                 "head_dim (change n_head or n_embd)"
             )
-        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
+        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.attn_impl not in ATTN_IMPLS:

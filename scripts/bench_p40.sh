@@ -25,9 +25,10 @@ for model in "$@"; do
   cp "$runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl"
   cp "$runs/$name/summary.json" "$out/$name.summary.json"
 done
-python3 - "$runs" "$@" <<'PY'
+python3 - "$runs" "${P40_TAG:-}" "$@" <<'PY'
 import json, sys
-runs, names = sys.argv[1], sys.argv[2:]
+runs, tag, models = sys.argv[1], sys.argv[2], sys.argv[3:]
+names = [model + tag for model in models]
 print(f"{'run':<16}{'P40 val':>9}{'FW check':>10}{'train s':>9}{'compile s':>10}{'tok/s':>10}{'MFU':>7}{'peak MiB':>10}")
 for name in names:
     s = json.load(open(f"{runs}/{name}/summary.json"))
