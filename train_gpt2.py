@@ -280,7 +280,7 @@ class GPT(nn.Module):
         x = rms_norm(x, self.config.norm_eps)
         if targets is not None:
             logits = self.lm_head(x)  # (B, T, vocab)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         else:
             logits, loss = self.lm_head(x[:, [-1], :]), None  # inference: only the last position
         return (logits if return_logits else None), loss
@@ -581,7 +581,8 @@ def load_checkpoint(path: str, expected: dict) -> dict:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a torn or foreign file: say which file and stop
-        raise InputError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__}: {e})") from None
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise InputError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__}: {first_line})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise InputError(f"--resume: {path} is not a train_gpt2.py checkpoint (format {CHECKPOINT_FORMAT})")
     for key, want in expected.items():

@@ -1,0 +1,57 @@
+"""Shared helpers: the repo on sys.path, tiktoken's files from ../shared when present, and tiny
+synthetic shard sets so that training tests run in seconds on a CPU."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+sys.path.insert(0, str(REPO))
+
+# The product lets tiktoken download its files; the tests use the copy beside the repo when there is one.
+if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED_DATA / "tiktoken").is_dir():
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED_DATA / "tiktoken")
+
+from train_gpt2 import write_shard  # noqa: E402
+
+SMALL_VOCAB = 256  # synthetic runs override vocab_size so the lm_head stays cheap
+
+
+def make_shards(directory: Path, n_train: int = 2, train_tokens: int = 20_000, val_tokens: int = 9_000,
+                vocab: int = SMALL_VOCAB, seed: int = 0) -> tuple[str, str]:
+    """Random token shards; returns (train glob, val glob)."""
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_shard(str(directory / "syn_val_000000.bin"), rng.integers(0, vocab, val_tokens))
+    for i in range(1, n_train + 1):
+        write_shard(str(directory / f"syn_train_{i:06d}.bin"), rng.integers(0, vocab, train_tokens))
+    return str(directory / "syn_train_*.bin"), str(directory / "syn_val_*.bin")
+
+
+@pytest.fixture
+def shards(tmp_path):
+    return make_shards(tmp_path / "data")
+
+
+def tiny_run_args(shards, output_dir, run_name="run", *extra) -> list[str]:
+    train_glob, val_glob = shards
+    return ["--model", "tiny", "--vocab_size", str(SMALL_VOCAB), "--device", "cpu",
+            "--input_bin", train_glob, "--input_val_bin", val_glob,
+            "--batch_size", "2", "--sequence_length", "32", "--grad_accumulation_steps", "2",
+            "--num_iterations", "6", "--warmup_iters", "1", "--warmdown_iters", "2", "--learning_rate", "3e-3",
+            "--val_loss_every", "3", "--val_batch_size", "2", "--val_tokens", "256", "--target_val_loss", "0",
+            "--output_dir", str(output_dir), "--run_name", run_name, *extra]
+
+
+def read_metrics(run_dir) -> list[dict]:
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train_losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["train_loss"] for r in read_metrics(run_dir) if "train_loss" in r}

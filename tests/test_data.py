@@ -1,0 +1,129 @@
+"""Shard format, the clear errors on bad shards, and NoCap's data order (train walk and val windows)."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_shards
+from train_gpt2 import (HEADER_BYTES, SHARD_MAGIC, InputError, TokenLoader, ValidationSet, load_shard,
+                        read_shard_header, write_shard)
+
+CPU = torch.device("cpu")
+
+
+def test_write_read_round_trip(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 50257, 1000)
+    path = str(tmp_path / "a.bin")
+    write_shard(path, tokens)
+    assert read_shard_header(path) == 1000
+    header = np.fromfile(path, dtype=np.int32, count=256)
+    assert list(header[:3]) == [SHARD_MAGIC, 1, 1000] and not header[3:].any()
+    np.testing.assert_array_equal(load_shard(path, 50257), tokens)
+    np.testing.assert_array_equal(load_shard(path, 50257, count=10), tokens[:10])
+    assert not list(tmp_path.glob("*.tmp*"))  # written via a temp file that was renamed
+
+
+def _corrupt(path, how):
+    raw = bytearray(open(path, "rb").read())
+    if how == "magic":
+        raw[0:4] = np.int32(12345).tobytes()
+    elif how == "version":
+        raw[4:8] = np.int32(7).tobytes()
+    elif how == "truncated":
+        raw = raw[:-10]
+    elif how == "header_only":
+        raw = raw[:100]
+    open(path, "wb").write(bytes(raw))
+
+
+@pytest.mark.parametrize("how, message", [
+    ("magic", "magic 12345 != 20240520"),
+    ("version", "version 7"),
+    ("truncated", "truncated or corrupt"),
+    ("header_only", "shorter than the 1024-byte header"),
+])
+def test_bad_shards_name_the_file_and_the_fix(tmp_path, how, message):
+    path = str(tmp_path / "bad.bin")
+    write_shard(path, np.arange(100))
+    _corrupt(path, how)
+    with pytest.raises(InputError, match=message) as err:
+        read_shard_header(path)
+    assert path in str(err.value)
+    assert "data/fineweb.py" in str(err.value) or "download it again" in str(err.value)
+
+
+def test_token_beyond_vocab_is_reported_with_position(tmp_path):
+    path = str(tmp_path / "v.bin")
+    write_shard(path, [1, 2, 300, 4])
+    with pytest.raises(InputError, match=r"token id 300 at position 2 is >= vocab_size 256"):
+        load_shard(path, 256)
+
+
+def test_no_matching_files_names_the_flag(tmp_path):
+    with pytest.raises(InputError, match=r"--input_bin: no files match .*python data/fineweb.py"):
+        TokenLoader(str(tmp_path / "nothing_*.bin"), 2, 8, 0, 1, 256, CPU)
+
+
+def _reference_windows(shards, B, T, rank, world, n):
+    """NoCap's loader, written out: position rank*B*T, advance by B*T*world, leave a shard when the next
+    round would not fit (position + B*T*world + 1 > len), wrap around after the last shard."""
+    shard, pos, out = 0, rank * B * T, []
+    for _ in range(n):
+        out.append(shards[shard][pos: pos + B * T + 1])
+        pos += B * T * world
+        if pos + B * T * world + 1 > len(shards[shard]):
+            shard, pos = (shard + 1) % len(shards), rank * B * T
+    return out
+
+
+@pytest.mark.parametrize("rank, world", [(0, 1), (0, 2), (1, 2)])
+def test_train_walk_is_nocaps_order(tmp_path, rank, world):
+    train_glob, _ = make_shards(tmp_path, n_train=3, train_tokens=1000)
+    shards = [load_shard(str(tmp_path / f"syn_train_{i:06d}.bin"), 256) for i in (1, 2, 3)]
+    B, T = 3, 16
+    loader = TokenLoader(train_glob, B, T, rank, world, 256, CPU)
+    expected = _reference_windows(shards, B, T, rank, world, 60)  # wraps around all shards at least once
+    for window in expected:
+        x, y = loader.next_batch()
+        np.testing.assert_array_equal(x.flatten().numpy(), window[:-1])
+        np.testing.assert_array_equal(y.flatten().numpy(), window[1:])
+
+
+def test_skip_replays_the_walk(tmp_path):
+    train_glob, _ = make_shards(tmp_path, n_train=2, train_tokens=500)
+    walked = TokenLoader(train_glob, 2, 16, 1, 2, 256, CPU)
+    for _ in range(23):
+        walked.next_batch()
+    skipped = TokenLoader(train_glob, 2, 16, 1, 2, 256, CPU)
+    skipped.skip(23)
+    assert skipped.batches_drawn == walked.batches_drawn == 23
+    for _ in range(5):
+        torch.testing.assert_close(skipped.next_batch(), walked.next_batch())
+
+
+def test_shard_smaller_than_a_batch_round_is_refused(tmp_path):
+    train_glob, _ = make_shards(tmp_path, n_train=1, train_tokens=100)
+    with pytest.raises(InputError, match="fewer than one batch round"):
+        TokenLoader(train_glob, 4, 32, 0, 1, 256, CPU)
+
+
+def test_validation_windows_cover_the_first_val_tokens_once_across_ranks(tmp_path):
+    _, val_glob = make_shards(tmp_path, val_tokens=5000)
+    tokens = load_shard(str(tmp_path / "syn_val_000000.bin"), 256)
+    B, T, val_tokens = 2, 16, 512
+    single = [x for x, _ in ValidationSet(val_glob, val_tokens, B, T, 0, 1, 256, CPU)]
+    np.testing.assert_array_equal(torch.cat(single).flatten().numpy(), tokens[:val_tokens])
+    halves = [list(ValidationSet(val_glob, val_tokens, B, T, r, 2, 256, CPU)) for r in (0, 1)]
+    interleaved = [batch for pair in zip(*halves) for batch in pair]  # NoCap: batch k of rank r = k*world + r
+    for (x, y), (x1, y1) in zip(interleaved, ValidationSet(val_glob, val_tokens, B, T, 0, 1, 256, CPU)):
+        torch.testing.assert_close((x, y), (x1, y1))
+    assert torch.equal(single[-1][-1, -1], torch.tensor(int(tokens[val_tokens - 1])))
+
+
+def test_validation_errors(tmp_path):
+    _, val_glob = make_shards(tmp_path, val_tokens=600)
+    with pytest.raises(InputError, match=r"fewer than --val_tokens 1,024 \+ 1"):
+        ValidationSet(val_glob, 1024, 2, 16, 0, 1, 256, CPU)
+    with pytest.raises(InputError, match="not a multiple of val_batch_size"):
+        ValidationSet(val_glob, 500, 2, 16, 0, 1, 256, CPU)
+    assert HEADER_BYTES == 1024

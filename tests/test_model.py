@@ -1,0 +1,140 @@
+"""The d12 model is NoCap's math: rotary layout, norms, scaling, tying, init; attention backends agree;
+the model is causal; it can learn."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_variants import D12, TINY, VARIANTS, GPTConfig, get_variant, with_overrides
+from train_gpt2 import GPT, Rotary, apply_rotary, causal_attention, flops_per_token, rms_norm
+
+
+def test_rotary_is_nocap_half_split_layout():
+    head_dim, T = 8, 5
+    cos, sin = Rotary(head_dim, block_size=16, base=10000.0)(T)
+    x = torch.randn(2, T, 3, head_dim)
+    y = apply_rotary(x, cos, sin)
+    # Written out from the definition: pair element i with element i + head_dim/2 at angle t * base^(-2i/d).
+    for t in range(T):
+        for i in range(head_dim // 2):
+            angle = t * 10000.0 ** (-2 * i / head_dim)
+            x1, x2 = x[:, t, :, i], x[:, t, :, i + head_dim // 2]
+            torch.testing.assert_close(y[:, t, :, i], x1 * math.cos(angle) + x2 * math.sin(angle))
+            torch.testing.assert_close(y[:, t, :, i + head_dim // 2], -x1 * math.sin(angle) + x2 * math.cos(angle))
+
+
+def test_rms_norm_is_parameter_free_fp32_and_casts_back():
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    y = rms_norm(x, 1e-6)
+    assert y.dtype == torch.bfloat16
+    ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(y, ref.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("T", [1, 7, 32])
+def test_sdpa_equals_manual_attention(T):
+    q, k, v = (torch.randn(2, 4, T, 16, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(causal_attention(q, k, v, "sdpa"), causal_attention(q, k, v, "manual"))
+
+
+def test_model_outputs_equal_across_attention_backends():
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=128)).double()
+    manual = GPT(with_overrides(TINY, vocab_size=128, attn_impl="manual")).double()
+    manual.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 128, (2, 24))
+    torch.testing.assert_close(model(idx, idx)[1], manual(idx, idx)[1])
+
+
+def test_model_is_causal():
+    """The gradient of position t's output with respect to inputs after t is exactly zero."""
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=64)).double()
+    T, t = 12, 5
+    x = model.transformer.wte(torch.randint(0, 64, (1, T))).detach().requires_grad_()
+    cos, sin = model.rotary(T)
+    h = x
+    for block in model.transformer.h:
+        h = block(h, cos, sin)
+    h[0, t].sum().backward()
+    assert x.grad[0, t + 1:].abs().max().item() == 0.0
+    assert x.grad[0, : t + 1].abs().max().item() > 0.0
+
+
+def test_d12_shape_parameters_and_tied_head():
+    with torch.device("meta"):
+        model = GPT(D12)
+    d, L, V = 768, 12, 50257
+    assert model.num_params() == V * d + L * 12 * d * d  # no biases, no norm weights, head tied
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.matmul_params() == V * d + L * 12 * d * d
+    assert flops_per_token(model, 1024) == 6 * (V * d + L * 12 * d * d) + 12 * L * 1024 * d
+    assert model.transformer.h[0].attn_scale == pytest.approx(1 / math.sqrt(24))
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
+
+
+def test_init_is_pytorch_default():
+    torch.manual_seed(0)
+    model = GPT(D12)
+    bound = 1 / math.sqrt(768)  # nn.Linear default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), also for the tied head
+    w = model.lm_head.weight
+    assert w.abs().max().item() <= bound and w.abs().max().item() > 0.99 * bound
+    fc = model.transformer.h[0].mlp.c_fc.weight
+    assert fc.shape == (3072, 768) and fc.abs().max().item() <= bound
+
+
+def test_loss_falls_when_overfitting_one_batch():
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=64))
+    idx = torch.randint(0, 64, (4, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = None
+    for _ in range(40):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        first = loss.item() if first is None else first
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.5 * first
+
+
+def test_loss_is_mean_cross_entropy_and_inference_returns_last_logits():
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=64))
+    idx = torch.randint(0, 64, (2, 10))
+    logits, loss = model(idx, idx)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.view(-1, 64), idx.view(-1)))
+    last, none = model(idx)
+    assert none is None and last.shape == (2, 1, 64)
+    torch.testing.assert_close(last[:, 0], logits[:, -1])
+    assert model(idx, idx, return_logits=False)[0] is None
+
+
+def test_sequence_longer_than_block_size_is_refused():
+    model = GPT(with_overrides(TINY, vocab_size=64, block_size=8))
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_registry_holds_nocap_sizes():
+    assert (D12.n_layer, D12.n_head, D12.n_embd, D12.vocab_size) == (12, 12, 768, 50257)
+    assert [(VARIANTS[n].n_layer, VARIANTS[n].n_head, VARIANTS[n].n_embd) for n in ("d24", "d36", "d48")] == [
+        (24, 16, 1024), (36, 20, 1280), (48, 25, 1600)]
+
+
+def test_unknown_variant_suggests_close_names():
+    with pytest.raises(KeyError, match="d12"):
+        get_variant("d21")
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(n_head=7), "does not divide"),
+    (dict(n_embd=60, n_head=4), "odd"),
+    (dict(n_layer=0), "n_layer"),
+    (dict(attn_impl="fast"), "attn_impl"),
+])
+def test_invalid_configs_explain_themselves(bad, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**bad)

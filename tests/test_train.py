@@ -1,0 +1,284 @@
+"""The trainer end to end on CPU: logs, stop rule, schedule, resume, signals, DDP, and bad input."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from argparse import Namespace
+
+import pytest
+import torch
+
+from conftest import REPO, make_shards, read_metrics, tiny_run_args, train_losses
+from train_gpt2 import build_parser, format_summary, lr_at, main, peak_flops
+
+
+def run(capsys, shards, out, name="run", *extra):
+    code = main(tiny_run_args(shards, out, name, *extra))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_run_writes_metrics_config_summary_and_final_block(tmp_path, shards, capsys):
+    code, out, _ = run(capsys, shards, tmp_path)
+    assert code == 0
+    run_dir = tmp_path / "run"
+    records = read_metrics(run_dir)
+    train = [r for r in records if "train_loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in evals] == [0, 3, 6]  # every 3 steps and at the end
+    for r in train:
+        assert {"step", "tokens", "train_loss", "lr", "step_ms", "tokens_per_s", "mfu", "train_time_s",
+                "peak_mem_mib"} <= r.keys()
+        assert r["tokens"] == r["step"] * 2 * 32 * 2
+        assert r["tokens_per_s"] == pytest.approx(128 / (r["step_ms"] / 1000))
+        assert r["mfu"] is None and r["peak_mem_mib"] is None  # CPU: n/a, never a guess
+    assert all({"step", "tokens", "val_loss", "train_time_s"} <= r.keys() for r in evals)
+    assert train[-1]["train_time_s"] == pytest.approx(sum(r["step_ms"] for r in train) / 1000)
+
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["args"]["model"] == "tiny" and config["model_config"]["vocab_size"] == 256
+    assert config["tokens_per_step"] == 128 and "torch_version" in config and "git_sha" in config
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 6 and summary["reached_target"] is False
+    assert summary["final_val_loss"] == evals[-1]["val_loss"]
+    block = out[out.index("\n---\n") + 1:].splitlines()
+    parsed = dict(line.split(":", 1) for line in block[1:] if ":" in line)
+    assert {k.strip() for k in parsed} >= {"reached_target", "target_val_loss", "final_val_loss", "steps", "tokens",
+                                          "train_time_s", "compile_s", "wall_time_s", "tokens_per_s", "mfu",
+                                          "peak_mem_mib"}
+    assert float(parsed["final_val_loss"]) == pytest.approx(summary["final_val_loss"], abs=1e-4)
+    assert parsed["mfu"].strip() == "n/a"
+    assert [p.name for p in run_dir.glob("ckpt_*.pt")] == ["ckpt_000006.pt"]
+
+
+def test_stops_at_first_evaluation_at_or_below_target(tmp_path, shards, capsys):
+    # Random tokens over 256 ids: the loss starts near ln(256) = 5.55, so 5.0 is reached only after training.
+    code, out, _ = run(capsys, shards, tmp_path, "run", "--target_val_loss", "50", "--num_iterations", "20")
+    assert code == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "reached_target" and summary["steps"] == 0
+    evals = [r for r in read_metrics(tmp_path / "run") if "val_loss" in r]
+    assert len(evals) == 1 and evals[0]["val_loss"] <= 50
+
+
+def test_target_zero_disables_the_stop(tmp_path, shards, capsys):
+    code, _, _ = run(capsys, shards, tmp_path, "run", "--target_val_loss", "0")
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 6
+
+
+def test_lr_schedule_is_nocaps():
+    args = Namespace(learning_rate=1.0, warmup_iters=4, warmdown_iters=5, num_iterations=20)
+    lrs = [lr_at(s, args) for s in range(20)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4:15] == [1.0] * 11
+    assert lrs[15:] == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
+
+
+def test_logged_lr_follows_the_schedule(tmp_path, shards, capsys):
+    run(capsys, shards, tmp_path, "run", "--num_iterations", "8", "--warmup_iters", "2", "--warmdown_iters", "4")
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "run") if "lr" in r]
+    assert lrs == pytest.approx([1.5e-3, 3e-3, 3e-3, 3e-3, 3e-3, 2.25e-3, 1.5e-3, 0.75e-3])
+
+
+def test_total_batch_size_derives_accumulation(tmp_path, shards, capsys):
+    run(capsys, shards, tmp_path, "a", "--grad_accumulation_steps", "4")
+    argv = tiny_run_args(shards, tmp_path, "b", "--total_batch_size", str(4 * 2 * 32))
+    del argv[argv.index("--grad_accumulation_steps"): argv.index("--grad_accumulation_steps") + 2]
+    assert main(argv) == 0
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert config["grad_accumulation_steps_per_process"] == 4 and config["tokens_per_step"] == 256
+    assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")
+
+
+def test_resume_from_a_periodic_checkpoint_gives_the_uninterrupted_losses(tmp_path, shards, capsys, monkeypatch):
+    import train_gpt2
+    monkeypatch.setattr(train_gpt2.os, "remove", lambda path: None)  # keep the step-4 checkpoint around
+    run(capsys, shards, tmp_path, "straight", "--num_iterations", "8", "--save_every", "4")
+    straight = train_losses(tmp_path / "straight")
+    ckpt = tmp_path / "straight" / "ckpt_000004.pt"
+    assert torch.load(ckpt, weights_only=True)["step"] == 4
+
+    code, _, _ = run(capsys, shards, tmp_path, "resumed", "--num_iterations", "8", "--resume", str(ckpt))
+    assert code == 0
+    resumed = train_losses(tmp_path / "resumed")
+    assert resumed.keys() == {5, 6, 7, 8}
+    assert resumed == {step: straight[step] for step in resumed}  # bitwise equal on CPU
+    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["tokens"] == 8 * 128
+
+
+def _start_long_run(shards, out, name, *extra):
+    cmd = [sys.executable, str(REPO / "train_gpt2.py"),
+           *tiny_run_args(shards, out, name, "--num_iterations", "400", "--val_loss_every", "100", *extra)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_train_lines(run_dir, n, proc, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and len(train_losses(run_dir)) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError("run produced no training steps in time")
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_checkpoints_and_resume_matches_uninterrupted_run(tmp_path, shards, sig, code):
+    proc = _start_long_run(shards, tmp_path, "run")
+    _wait_for_train_lines(tmp_path / "run", 3, proc)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and "status:          interrupted" in out
+    stopped_at = summary["steps"]
+    assert 3 <= stopped_at < 400
+    assert [p.name for p in (tmp_path / "run").glob("ckpt_*.pt")] == [f"ckpt_{stopped_at:06d}.pt"]
+
+    resumed = subprocess.run([sys.executable, str(REPO / "train_gpt2.py"), *tiny_run_args(
+        shards, tmp_path, "run", "--num_iterations", "400", "--val_loss_every", "100", "--resume", "auto")],
+        capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    proc = subprocess.run([sys.executable, str(REPO / "train_gpt2.py"), *tiny_run_args(
+        shards, tmp_path, "straight", "--num_iterations", "400", "--val_loss_every", "100")],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert train_losses(tmp_path / "run") == train_losses(tmp_path / "straight")  # bitwise, on CPU
+    vals = lambda d: [(r["step"], r["val_loss"]) for r in read_metrics(d) if "val_loss" in r]
+    assert vals(tmp_path / "run") == vals(tmp_path / "straight")
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"
+
+
+def test_two_gloo_processes_match_one_process_with_double_accumulation(tmp_path, shards):
+    common = ["--num_iterations", "4", "--val_loss_every", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(REPO / "train_gpt2.py"), *tiny_run_args(shards, tmp_path, "ddp", *common,
+                                                                      "--grad_accumulation_steps", "4")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    single = subprocess.run([sys.executable, str(REPO / "train_gpt2.py"),
+                             *tiny_run_args(shards, tmp_path, "single", *common, "--grad_accumulation_steps", "4")],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert single.returncode == 0, single.stderr
+    config = json.loads((tmp_path / "ddp" / "config.json").read_text())
+    assert config["world_size"] == 2 and config["grad_accumulation_steps_per_process"] == 2
+    ddp_losses, single_losses = train_losses(tmp_path / "ddp"), train_losses(tmp_path / "single")
+    assert ddp_losses.keys() == single_losses.keys() == {1, 2, 3, 4}
+    for step in ddp_losses:
+        assert ddp_losses[step] == pytest.approx(single_losses[step], rel=1e-5)
+    vals = lambda d: [r["val_loss"] for r in read_metrics(d) if "val_loss" in r]
+    assert vals(tmp_path / "ddp") == pytest.approx(vals(tmp_path / "single"), rel=1e-5)
+
+
+# --- bad input: one `error:` line naming the flag or file, exit code 2, nothing overwritten -------------
+
+def _error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    return err[0]
+
+
+def test_unknown_model_suggests_close_names(tmp_path, shards, capsys):
+    argv = tiny_run_args(shards, tmp_path)
+    argv[argv.index("tiny")] = "d21"
+    line = _error(capsys, argv)
+    assert "unknown model 'd21'; did you mean" in line and "d12" in line
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--n_head", "3"], "n_head=3 does not divide n_embd=64"),
+    (["--input_bin", "/nonexistent/x_*.bin"], "--input_bin: no files match"),
+    (["--input_val_bin", "/nonexistent/v_*.bin"], "--input_val_bin: no files match"),
+    (["--val_tokens", "100032"], "fewer than --val_tokens"),
+    (["--total_batch_size", "100"], "not a multiple of batch_size*sequence_length"),
+    (["--total_batch_size", "128", "--grad_accumulation_steps", "4"], "contradicts --total_batch_size"),
+    (["--warmdown_iters", "99"], "exceeds --num_iterations"),
+    (["--sequence_length", "2048"], "pass --block_size 2048"),
+    (["--resume", "/nonexistent.pt"], "no such checkpoint"),
+])
+def test_bad_flags_give_one_clear_line(tmp_path, shards, capsys, extra, message):
+    assert message in _error(capsys, tiny_run_args(shards, tmp_path, "run", *extra))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_out_of_vocab_shard_is_reported(tmp_path, capsys):
+    bad = make_shards(tmp_path / "d", vocab=300)
+    argv = tiny_run_args(bad, tmp_path)
+    assert "is >= vocab_size 256" in _error(capsys, argv)
+
+
+def test_finished_and_started_run_dirs_are_not_overwritten(tmp_path, shards, capsys):
+    assert main(tiny_run_args(shards, tmp_path)) == 0
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
+    assert "already holds a finished run" in _error(capsys, tiny_run_args(shards, tmp_path))
+    (tmp_path / "run" / "summary.json").unlink()
+    assert "pass --resume auto" in _error(capsys, tiny_run_args(shards, tmp_path))
+    after = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
+    assert {k: v for k, v in before.items() if k != "summary.json"} == after
+
+
+def test_resume_refuses_a_checkpoint_of_another_model(tmp_path, shards, capsys):
+    assert main(tiny_run_args(shards, tmp_path, "a")) == 0
+    ckpt = next((tmp_path / "a").glob("ckpt_*.pt"))
+    shutil.copy(ckpt, tmp_path / "elsewhere.pt")
+    capsys.readouterr()
+    line = _error(capsys, tiny_run_args(shards, tmp_path, "b", "--n_layer", "3", "--resume",
+                                        str(tmp_path / "elsewhere.pt")))
+    assert "model_config" in line and "start a new run" in line
+
+
+def test_resume_refuses_a_file_that_is_not_a_checkpoint(tmp_path, shards, capsys):
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    line = _error(capsys, tiny_run_args(shards, tmp_path, "b", "--resume", str(tmp_path / "junk.pt")))
+    assert "not a readable checkpoint" in line
+
+
+def test_resume_auto_needs_a_run_name(tmp_path, shards, capsys):
+    argv = tiny_run_args(shards, tmp_path)
+    del argv[argv.index("--run_name"): argv.index("--run_name") + 2]
+    assert "--resume auto needs --run_name" in _error(capsys, argv + ["--resume", "auto"])
+
+
+def test_nocap_run_sh_flags_parse_unchanged():
+    args = build_parser().parse_args(
+        "--input_bin a --input_val_bin b --output_dir pylog124M --model d12 --batch_size 16 "
+        "--grad_accumulation_steps 32 --sequence_length 1024 --val_loss_every 128 --val_batch_size 16 "
+        "--num_iterations 4768 --weight_decay 0.1 --learning_rate 0.0018 --warmup_iters 256 "
+        "--warmdown_iters 1024 --log_wandb".split())
+    assert (args.batch_size, args.grad_accumulation_steps, args.learning_rate, args.log_wandb) == (16, 32, 0.0018, True)
+
+
+def test_every_model_field_has_an_override_flag():
+    from model_variants import config_fields
+    args = build_parser().parse_args(["--n_layer", "6", "--rope_base", "500", "--attn_impl", "manual"])
+    assert (args.n_layer, args.rope_base, args.attn_impl) == (6, 500.0, "manual")
+    assert all(hasattr(args, f.name) for f in config_fields())
+
+
+def test_list_models(capsys):
+    assert main(["--list_models"]) == 0
+    out = capsys.readouterr().out
+    assert "d12" in out and "124" not in out.split("d12")[0]
+    assert "123.5M" in out  # d12: 50257*768 + 12*12*768^2 parameters
+
+
+def test_peak_flops_is_na_off_the_table():
+    assert peak_flops(torch.device("cpu")) is None
+
+
+def test_summary_block_formats_missing_values_as_na():
+    summary = dict(status="completed", reached_target=False, target_val_loss=3.3821, final_val_loss=3.5,
+                   steps=1, tokens=2, train_time_s=1.0, compile_s=0.0, eval_time_s=0.0, wall_time_s=2.0,
+                   tokens_per_s=None, mfu=None, peak_mem_mib=None)
+    text = format_summary(summary)
+    assert text.splitlines()[0] == "---" and "mfu:             n/a" in text and "target_val_loss: 3.3821" in text
