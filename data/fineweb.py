@@ -11,6 +11,7 @@ Files are written to a temporary name and renamed, so an interrupted run never l
 
 import argparse
 import glob
+import itertools
 import multiprocessing
 import os
 import shutil
@@ -85,7 +86,8 @@ def download_cached(output_dir: str, n_train: int, fetch=hf_fetch) -> list[str]:
 
 def iter_texts(inputs: str | None):
     """Document texts, streamed: local parquet/jsonl files if `inputs` (a glob) is given, else FineWeb
-    sample-10BT from the Hugging Face hub. Documents with no text are skipped."""
+    sample-10BT from the Hugging Face hub. Documents with no text are skipped. Bad inputs are reported
+    here, before any tokenizer process starts."""
     from datasets import load_dataset
     if inputs:
         files = sorted(glob.glob(inputs))
@@ -98,9 +100,7 @@ def iter_texts(inputs: str | None):
         dataset = load_dataset(kinds[exts.pop()], data_files=files, split="train", streaming=True)
     else:
         dataset = load_dataset(RAW_DATASET[0], name=RAW_DATASET[1], split="train", streaming=True)
-    for row in dataset:
-        if row.get("text"):
-            yield row["text"]
+    return (row["text"] for row in dataset if row.get("text"))
 
 
 _encoder = None
@@ -155,15 +155,17 @@ def tokenize_to_shards(texts, output_dir: str, prefix: str, shard_size: int, max
     from tqdm import tqdm
     os.makedirs(output_dir, exist_ok=True)
     writer = ShardWriter(output_dir, prefix, shard_size)
-    total = 0
+    total, texts = 0, iter(texts)
     with multiprocessing.Pool(workers or max(1, os.cpu_count() - 1)) as pool, \
             tqdm(total=max_tokens, unit="tok", unit_scale=True, desc="tokenizing") as bar:
-        for tokens in pool.imap(tokenize, texts, chunksize=16):
-            if max_tokens is not None:
-                tokens = tokens[: max_tokens - total]
-            writer.add(tokens)
-            total += tokens.size
-            bar.update(tokens.size)
+        # Feed the pool a bounded batch at a time: Pool.imap would drain a streamed dataset into memory.
+        while batch := list(itertools.islice(texts, 1024)):
+            for tokens in pool.imap(tokenize, batch, chunksize=16):
+                if max_tokens is not None:
+                    tokens = tokens[: max_tokens - total]
+                writer.add(tokens)
+                total += tokens.size
+                bar.update(tokens.size)
             if max_tokens is not None and total >= max_tokens:
                 break
     writer.flush()

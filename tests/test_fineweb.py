@@ -1,0 +1,143 @@
+"""data/fineweb.py: raw tokenization equals tiktoken's, shard packing, and the cached download's
+skip / verify / atomic-replace logic (with a local stand-in for the hub)."""
+
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, SHARED_DATA
+
+sys.path.insert(0, str(REPO / "data"))
+import fineweb  # noqa: E402
+from train_gpt2 import InputError, load_shard, read_shard_header, write_shard  # noqa: E402
+
+PARQUET = SHARED_DATA / "fineweb_sample" / "fineweb_sample_3100docs.parquet"
+
+
+def gpt2_encoder():
+    tiktoken = pytest.importorskip("tiktoken")
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # no network and no ../shared copy of the BPE files
+        pytest.skip(f"tiktoken's GPT-2 files are unavailable offline ({type(e).__name__})")
+
+
+def expected_stream(texts, enc):
+    return np.concatenate([[fineweb.EOT] + enc.encode_ordinary(t) for t in texts])
+
+
+def test_jsonl_documents_tokenize_to_tiktokens_ids(tmp_path):
+    enc = gpt2_encoder()
+    texts = ["Hello world", "Second <|endoftext|> doc, with special text kept as text.", "", "ünïcödé ✓"]
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t, "id": 1}) + "\n")
+    paths = fineweb.tokenize_to_shards(fineweb.iter_texts(str(tmp_path / "docs.jsonl")), str(tmp_path / "out"),
+                                       "t", shard_size=10, workers=2)
+    got = np.concatenate([load_shard(p, 50257) for p in paths])
+    np.testing.assert_array_equal(got, expected_stream([t for t in texts if t], enc))  # empty doc skipped
+    assert [p.rsplit("/", 1)[1] for p in paths][:2] == ["t_val_000000.bin", "t_train_000001.bin"]
+    assert all(read_shard_header(p) == 10 for p in paths[:-1]) and read_shard_header(paths[-1]) <= 10
+
+
+@pytest.mark.skipif(not PARQUET.exists(), reason="needs ../shared/data/fineweb_sample (the real FineWeb sample)")
+def test_real_fineweb_parquet_tokenizes_to_tiktokens_ids(tmp_path):
+    enc = gpt2_encoder()
+    import pyarrow.parquet as pq
+    texts = [t for t in pq.read_table(PARQUET, columns=["text"]).column("text").to_pylist()[:600] if t]
+    budget = 150_000
+    paths = fineweb.tokenize_to_shards(fineweb.iter_texts(str(PARQUET)), str(tmp_path), "fw", shard_size=60_000,
+                                       max_tokens=budget, workers=2)
+    got = np.concatenate([load_shard(p, 50257) for p in paths])
+    assert got.size == budget and [read_shard_header(p) for p in paths] == [60_000, 60_000, 30_000]
+    np.testing.assert_array_equal(got, expected_stream(texts, enc)[:budget])
+
+
+def test_shard_writer_splits_documents_across_shards(tmp_path):
+    writer = fineweb.ShardWriter(str(tmp_path), "w", shard_size=4)
+    for doc in ([1, 2, 3], [4, 5, 6, 7, 8], [9]):
+        writer.add(np.array(doc, dtype=np.uint16))
+    writer.flush()
+    assert [load_shard(p, 100).tolist() for p in writer.written] == [[1, 2, 3, 4], [5, 6, 7, 8], [9]]
+
+
+def test_raw_refuses_to_overwrite_existing_shards(tmp_path):
+    write_shard(str(tmp_path / "fw_val_000000.bin"), [1, 2])
+    with pytest.raises(InputError, match="already exists"):
+        fineweb.tokenize_to_shards(iter(["x"]), str(tmp_path), "fw", shard_size=10)
+    assert load_shard(str(tmp_path / "fw_val_000000.bin"), 10).tolist() == [1, 2]
+
+
+def test_raw_input_errors(tmp_path):
+    with pytest.raises(InputError, match="no files match"):
+        fineweb.iter_texts(str(tmp_path / "none*.parquet"))
+    (tmp_path / "a.txt").write_text("x")
+    with pytest.raises(InputError, match="only .parquet or only .jsonl"):
+        fineweb.iter_texts(str(tmp_path / "a.txt"))
+
+
+# --- --source cached -----------------------------------------------------------------------------------
+
+class FakeHub:
+    """Serves shards from a local folder the way hf_fetch does (a file inside dest_dir), counting calls."""
+
+    def __init__(self, folder):
+        self.folder, self.fetched = folder, []
+
+    def __call__(self, name, dest_dir):
+        self.fetched.append(name)
+        shutil.copy(self.folder / name, f"{dest_dir}/{name}")
+        return f"{dest_dir}/{name}"
+
+
+@pytest.fixture
+def hub(tmp_path):
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for name in fineweb.cached_shard_names(3):
+        write_shard(str(folder / name), rng.integers(0, 50257, 500))
+    return FakeHub(folder)
+
+
+def test_cached_download_fetches_verifies_and_skips_complete_files(tmp_path, hub):
+    out = tmp_path / "fineweb10B"
+    paths = fineweb.download_cached(str(out), 2, fetch=hub)
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["fineweb_val_000000.bin", "fineweb_train_000001.bin",
+                                                    "fineweb_train_000002.bin"]
+    for p in paths:
+        assert open(p, "rb").read() == (hub.folder / p.rsplit("/", 1)[1]).read_bytes()
+    assert sorted(x.name for x in out.iterdir()) == sorted(p.rsplit("/", 1)[1] for p in paths)  # no scratch left
+
+    hub.fetched.clear()
+    (out / "fineweb_train_000002.bin").write_bytes((out / "fineweb_train_000002.bin").read_bytes()[:-7])  # torn
+    fineweb.download_cached(str(out), 3, fetch=hub)
+    assert hub.fetched == ["fineweb_train_000002.bin", "fineweb_train_000003.bin"]  # complete ones skipped
+    assert read_shard_header(str(out / "fineweb_train_000002.bin")) == 500
+
+
+def test_cached_download_rejects_a_bad_file_and_keeps_the_old_one(tmp_path, hub):
+    out = tmp_path / "fineweb10B"
+    out.mkdir()
+    (out / "fineweb_val_000000.bin").write_bytes(b"partial")
+    (hub.folder / "fineweb_val_000000.bin").write_bytes(b"<html>rate limited</html>")
+    with pytest.raises(InputError, match="downloaded fineweb_val_000000.bin is not a valid shard"):
+        fineweb.download_cached(str(out), 1, fetch=hub)
+    assert (out / "fineweb_val_000000.bin").read_bytes() == b"partial"
+    assert [x.name for x in out.iterdir()] == ["fineweb_val_000000.bin"]
+
+
+@pytest.mark.parametrize("n", [0, 104])
+def test_cached_shard_count_is_bounded(tmp_path, n):
+    with pytest.raises(InputError, match="train shards 1..103"):
+        fineweb.download_cached(str(tmp_path), n, fetch=None)
+
+
+def test_cli_reports_errors_in_one_line(tmp_path, capsys):
+    assert fineweb.main(["--source", "raw", "--input", str(tmp_path / "none*.jsonl"),
+                         "--output_dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --input: no files match")
