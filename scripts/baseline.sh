@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The NoCap-Test baseline: d12 with NoCap's published flags (524,288 tokens/step, 4768 steps = 2.5B tokens,
+# AdamW lr 0.0018), stopping at the first evaluation with val loss <= 3.3821. Extra flags are passed on
+# (e.g. --run_name, or --batch_size 8 --grad_accumulation_steps 64 on a card with less memory).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh 25
+exec torchrun --standalone --nproc_per_node="${NPROC:-1}" train_gpt2.py \
+  --input_bin "data/fineweb10B/fineweb_train_*.bin" --input_val_bin "data/fineweb10B/fineweb_val_*.bin" \
+  --output_dir logs --model d12 \
+  --batch_size 16 --grad_accumulation_steps 32 --sequence_length 1024 \
+  --val_loss_every 128 --val_batch_size 16 \
+  --num_iterations 4768 --weight_decay 0.1 --learning_rate 0.0018 \
+  --warmup_iters 256 --warmdown_iters 1024 "$@"
