@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A two-minute CPU demo on the bundled 1.2M-token FineWeb sample (no GPU, no download): the `tiny`
-# model goes from val loss ~10.9 to ~7.3. Output in logs/demo-cpu-<time>/.
+# A three-minute CPU demo (2 cores) on the bundled 1.2M-token FineWeb sample (no GPU, no download):
+# the `tiny` model goes from val loss 10.95 to 7.42. Output in logs/demo-cpu-<time>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec python3 train_gpt2.py --model tiny --device cpu \
