@@ -949,16 +949,21 @@ def list_models() -> str:
     return "\n".join(rows)
 
 
+def report_input_errors(action) -> int:
+    """Run a command-line action; bad input becomes one `error: ...` line on stderr and exit code 2."""
+    try:
+        return action()
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.list_models:
         print(list_models())
         return 0
-    try:
-        return train(args)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return report_input_errors(lambda: train(args))
 
 
 if __name__ == "__main__":

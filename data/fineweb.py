@@ -21,7 +21,7 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import InputError, read_shard_header, write_shard  # noqa: E402
+from train_gpt2 import InputError, read_shard_header, report_input_errors, write_shard  # noqa: E402
 
 CACHED_REPO = "kjj0/fineweb10B-gpt2"  # the shards NoCap-Test and modded-nanogpt train on
 CACHED_TRAIN_SHARDS = 103  # available in that repository (100M tokens each)
@@ -190,17 +190,17 @@ def main(argv=None) -> int:
     p.add_argument("--max_tokens", type=int, default=None, help="raw: stop after this many tokens")
     p.add_argument("--workers", type=int, default=None, help="raw: tokenizer processes (default: cores - 1)")
     args = p.parse_args(argv)
-    try:
+
+    def fetch() -> int:
         if args.source == "cached":
             paths = download_cached(args.output_dir, args.num_train_shards)
         else:
             paths = tokenize_to_shards(iter_texts(args.input), args.output_dir, args.prefix, args.shard_size,
                                        args.max_tokens, args.workers)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"{len(paths)} shards in {args.output_dir}")
-    return 0
+        print(f"{len(paths)} shards in {args.output_dir}")
+        return 0
+
+    return report_input_errors(fetch)
 
 
 if __name__ == "__main__":

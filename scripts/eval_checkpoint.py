@@ -13,7 +13,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import GPT, GPTConfig, InputError, ValidationSet, evaluate, load_checkpoint  # noqa: E402
+from train_gpt2 import GPT, GPTConfig, ValidationSet, evaluate, load_checkpoint, report_input_errors  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -27,18 +27,18 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if use_cuda else "cpu")
-    try:
+
+    def score() -> int:
         ckpt = load_checkpoint(args.checkpoint, expected={})
         model = GPT(GPTConfig(**ckpt["model_config"]))
         model.load_state_dict(ckpt["model"])
         T = args.sequence_length or ckpt["sequence_length"]
         val = ValidationSet(args.val_bin, args.val_tokens, args.val_batch_size, T, rank=0, world_size=1,
                             vocab_size=model.config.vocab_size, device=device)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"val_loss: {evaluate(model.to(device), val, world_size=1):.6f}")
-    return 0
+        print(f"val_loss: {evaluate(model.to(device), val, world_size=1):.6f}")
+        return 0
+
+    return report_input_errors(score)
 
 
 if __name__ == "__main__":

@@ -282,3 +282,18 @@ def test_summary_block_formats_missing_values_as_na():
                    tokens_per_s=None, mfu=None, peak_mem_mib=None)
     text = format_summary(summary)
     assert text.splitlines()[0] == "---" and "mfu:             n/a" in text and "target_val_loss: 3.3821" in text
+
+
+def test_eval_checkpoint_scores_like_the_trainer(tmp_path, shards, capsys):
+    sys.path.insert(0, str(REPO / "scripts"))
+    import eval_checkpoint
+    assert main(tiny_run_args(shards, tmp_path)) == 0
+    final = json.loads((tmp_path / "run" / "summary.json").read_text())["final_val_loss"]
+    capsys.readouterr()
+    ckpt = str(next((tmp_path / "run").glob("ckpt_*.pt")))
+    assert eval_checkpoint.main(["--checkpoint", ckpt, "--val_bin", shards[1], "--val_tokens", "256",
+                                 "--val_batch_size", "2", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.strip() == f"val_loss: {final:.6f}"
+    assert eval_checkpoint.main(["--checkpoint", ckpt, "--val_bin", shards[1], "--val_tokens", "250",
+                                 "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.startswith("error: --val_tokens 250 is not a multiple")
