@@ -297,3 +297,11 @@ def test_eval_checkpoint_scores_like_the_trainer(tmp_path, shards, capsys):
     assert eval_checkpoint.main(["--checkpoint", ckpt, "--val_bin", shards[1], "--val_tokens", "250",
                                  "--device", "cpu"]) == 2
     assert capsys.readouterr().err.startswith("error: --val_tokens 250 is not a multiple")
+
+
+def test_wandb_is_only_imported_when_asked_for(tmp_path, shards, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: `import wandb` raises ImportError
+    assert main(tiny_run_args(shards, tmp_path, "plain")) == 0  # never imported without --log_wandb
+    capsys.readouterr()
+    line = _error(capsys, tiny_run_args(shards, tmp_path, "logged", "--log_wandb"))
+    assert "--log_wandb: wandb is not installed; pip install wandb" in line
