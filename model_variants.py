@@ -1,54 +1,138 @@
 """Model configurations: the GPTConfig dataclass and the registry of named variants.
 
 Data only. A variant is a GPTConfig; the trainer (train_gpt2.py) turns it into a model. Every model
-choice is a field here with a CLI override of the same name (`--n_layer 6`), so comparing two ideas is
-a one-word change of `--model`. Later variants are built with `replace(D12, ...)` so the diff to the
+choice is a field here with a CLI override of the same name (`--n_kv_head 4`), so comparing two ideas is
+a one-word change of `--model`. Variants are built with `replace(D12, ...)` so that the diff to the
 baseline is visible at a glance.
 """
 
 import difflib
 from dataclasses import dataclass, fields, replace
 
+ATTN_IMPLS = ("sdpa", "flash", "flex", "manual")
+MLP_ACTS = ("gelu", "relu2", "swiglu")
+NORMS = ("rms", "rms_gain", "layer")
+POSITIONS = ("rope", "learned")
+
 
 @dataclass(frozen=True)
 class GPTConfig:
+    # --- size -------------------------------------------------------------------------------------
     vocab_size: int = 50257  # GPT-2 BPE; NoCap does not pad it to a multiple of 64
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
-    mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * n_embd
-    block_size: int = 1024  # longest sequence the model accepts (sizes the rotary tables)
-    rope_base: float = 10000.0
-    norm_eps: float = 1e-6  # parameter-free RMSNorm epsilon
-    # The attention seam: "sdpa" lets PyTorch pick its fastest kernel (flash / cuDNN / efficient);
-    # "manual" is plain softmax(QK^T)V, the reference the fused paths are tested against.
+    block_size: int = 1024  # longest sequence the model accepts (sizes rotary / learned position tables)
+    # --- attention --------------------------------------------------------------------------------
+    n_kv_head: int = 0  # key/value heads: 0 = n_head (MHA); 1 = MQA; in between = GQA
+    # The attention seam: "sdpa" lets PyTorch pick flash / cuDNN / efficient; "flash" insists on the flash
+    # kernel; "flex" is FlexAttention with block masks (the fast path for windows); "manual" is plain
+    # softmax(QK^T)V, the reference every other path is tested against.
     attn_impl: str = "sdpa"
+    window: int = 0  # sliding-window length in tokens for local layers; 0 = every layer global
+    window_pattern: str = "L"  # per-layer L(ocal)/G(lobal) pattern, repeated over the layers
+    kv_lora_rank: int = 0  # > 0: multi-head latent attention (DeepSeek MLA) with a latent of this width
+    mla_rope_dim: int = 32  # MLA: decoupled rotary dimensions per head (the rest of head_dim is rotary-free)
+    qk_norm: bool = False  # parameter-free RMSNorm of each query and key head
+    # --- MLP / MoE --------------------------------------------------------------------------------
+    mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * n_embd (SwiGLU: parameter-matched, see mlp_hidden_size)
+    mlp_act: str = "gelu"
+    mlp_hidden: int = 0  # explicit hidden width; 0 = derived from mlp_ratio
+    moe_experts: int = 0  # > 0: a Mixture-of-Experts FFN (token-choice, dropless) in the moe_layers blocks
+    moe_topk: int = 2  # experts per token; each expert is mlp_hidden_size / moe_topk wide (equal active FLOPs)
+    moe_layers: str = "all"  # "all", or comma-separated block indices such as "1,3,5"
+    moe_aux_weight: float = 0.01  # Switch-Transformer load-balancing loss weight
+    moe_shared_expert: bool = False  # one always-on expert of the same width beside the routed ones
+    # --- objective --------------------------------------------------------------------------------
+    mtp_k: int = 0  # multi-token prediction: extra targets t+2 .. t+1+k, each from its own projection
+    mtp_weight: float = 0.3  # weight of the mean extra-target loss in the training objective
+    logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
+    # --- the rest ---------------------------------------------------------------------------------
+    norm: str = "rms"  # "rms" (parameter-free, NoCap), "rms_gain" (learned gain), "layer" (LayerNorm)
+    norm_eps: float = 1e-6
+    pos: str = "rope"
+    rope_base: float = 10000.0
+    tie_embeddings: bool = True
+    activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
 
     def __post_init__(self):
         # Checked here so that every way of building a config (registry, CLI override, checkpoint)
         # gets the same one-line explanation instead of a shape error deep inside the model.
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"n_head={self.n_head} does not divide n_embd={self.n_embd}; "
-                f"pick n_head from {_divisors(self.n_embd)}"
-            )
-        if (self.n_embd // self.n_head) % 2 != 0:
-            raise ValueError(
-                f"head_dim={self.n_embd // self.n_head} is odd; rotary embedding needs an even "
-                "head_dim (change n_head or n_embd)"
-            )
-        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "block_size"):
+        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "block_size", "moe_topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attn_impl={self.attn_impl!r} is not one of {', '.join(ATTN_IMPLS)}")
+        for name in ("n_kv_head", "window", "kv_lora_rank", "mlp_hidden", "moe_experts", "mtp_k"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}; "
+                             f"pick n_head from {_divisors(self.n_embd)}")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim={self.head_dim} is odd; rotary embedding needs an even head_dim "
+                             "(change n_head or n_embd)")
+        if self.n_head % self.kv_heads != 0:
+            raise ValueError(f"n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}; "
+                             f"pick one of {_divisors(self.n_head)}")
+        for name, allowed in (("attn_impl", ATTN_IMPLS), ("mlp_act", MLP_ACTS), ("norm", NORMS),
+                              ("pos", POSITIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if not self.window_pattern or set(self.window_pattern) - {"L", "G"}:
+            raise ValueError(f"window_pattern={self.window_pattern!r} must be made of L and G, e.g. LLLG")
+        if self.kv_lora_rank:
+            if self.n_kv_head not in (0, self.n_head):
+                raise ValueError("MLA (kv_lora_rank > 0) has one latent for all heads; leave n_kv_head at 0")
+            if not 0 < self.mla_rope_dim < self.head_dim or self.mla_rope_dim % 2:
+                raise ValueError(f"mla_rope_dim={self.mla_rope_dim} must be even and between 0 and "
+                                 f"head_dim={self.head_dim}")
+        if self.moe_experts and self.moe_topk > self.moe_experts:
+            raise ValueError(f"moe_topk={self.moe_topk} exceeds moe_experts={self.moe_experts}")
+        if self.moe_experts and self.mlp_hidden_size % self.moe_topk:
+            raise ValueError(f"moe_topk={self.moe_topk} does not divide the MLP width {self.mlp_hidden_size}")
+        self.moe_block_indices  # validates moe_layers
 
+    # --- derived sizes: one place for each rule ------------------------------------------------------
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
 
-ATTN_IMPLS = ("sdpa", "manual")
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions per head that rotary embedding turns: all of them, or MLA's decoupled part."""
+        return self.mla_rope_dim if self.kv_lora_rank else self.head_dim
+
+    @property
+    def mlp_hidden_size(self) -> int:
+        """Hidden width. SwiGLU has three matrices instead of two, so by default it gets 2/3 of the
+        width (rounded to a multiple of 64) to match the parameters of the GELU MLP of the same ratio."""
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        width = self.mlp_ratio * self.n_embd
+        return max(64, round(2 * width / 3 / 64) * 64) if self.mlp_act == "swiglu" else width
+
+    @property
+    def moe_block_indices(self) -> tuple[int, ...]:
+        if not self.moe_experts:
+            return ()
+        if self.moe_layers == "all":
+            return tuple(range(self.n_layer))
+        try:
+            indices = tuple(sorted({int(i) for i in self.moe_layers.split(",")}))
+        except ValueError:
+            raise ValueError(f"moe_layers={self.moe_layers!r}: expected 'all' or block indices like 1,3,5") from None
+        if not indices or indices[0] < 0 or indices[-1] >= self.n_layer:
+            raise ValueError(f"moe_layers={self.moe_layers!r}: indices must lie in 0..{self.n_layer - 1}")
+        return indices
+
+    def layer_window(self, layer: int) -> int:
+        """The attention window of a block: `window` for local (L) layers, 0 (full causal) for global ones."""
+        if not self.window:
+            return 0
+        return self.window if self.window_pattern[layer % len(self.window_pattern)] == "L" else 0
 
 
 def _divisors(n: int) -> list[int]:
@@ -70,6 +154,18 @@ VARIANTS: dict[str, GPTConfig] = {
     "d36": D36,
     "d48": D48,
     "tiny": TINY,
+    # One idea each, on top of d12:
+    "d12_gqa": replace(D12, n_kv_head=4),  # 3 query heads share each key/value head
+    "d12_mqa": replace(D12, n_kv_head=1),  # one key/value head for all 12 query heads
+    "d12_flash": replace(D12, attn_impl="flash"),  # insist on the flash kernel (error where there is none)
+    "d12_mlp3": replace(D12, mlp_ratio=3),
+    "d12_swiglu": replace(D12, mlp_act="swiglu"),  # hidden 2048: parameters equal to the 4x GELU MLP
+    "d12_mtp": replace(D12, mtp_k=1),  # also predict t+2 from a separate projection, weight 0.3
+    "d12_moe": replace(D12, moe_experts=8, moe_topk=2),  # 8 experts of width 1536, 2 active: d12's active FLOPs
+    "d12_mla": replace(D12, kv_lora_rank=256),  # K/V from a 256-wide latent + 32 shared rotary dims
+    "d12_swa": replace(D12, attn_impl="flex", window=256, window_pattern="LLLG"),  # 3 local : 1 global
+    # The combination the user's performance analysis recommended first (it expected 1.6-1.8x):
+    "d12_lite": replace(D12, n_kv_head=4, attn_impl="flash", mlp_ratio=3),
 }
 
 

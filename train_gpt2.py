@@ -170,10 +170,37 @@ def check_run_flags(args):
 # Model
 # =============================================================================
 
+_notices_shown: set[str] = set()
+
+
+def notice(message: str):
+    """A one-line notice on stderr, shown once per process (kernel fallbacks and the like)."""
+    if message not in _notices_shown and int(os.environ.get("RANK", "0")) == 0:
+        _notices_shown.add(message)
+        print(f"notice: {message}", file=sys.stderr, flush=True)
+
+
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     # Parameter-free, computed in fp32 and cast back, as NoCap does: the residual stream is fp32 but
     # under autocast branch outputs arrive in bf16.
     return F.rms_norm(x.float(), (x.size(-1),), eps=eps).type_as(x)
+
+
+class Norm(nn.Module):
+    """The `norm` choice: parameter-free RMSNorm (NoCap), RMSNorm with a gain, or LayerNorm without bias."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.kind, self.eps = config.norm, config.norm_eps
+        if self.kind != "rms":
+            self.weight = nn.Parameter(torch.ones(config.n_embd))
+
+    def forward(self, x):
+        if self.kind == "rms":
+            return rms_norm(x, self.eps)
+        if self.kind == "rms_gain":
+            return F.rms_norm(x.float(), (x.size(-1),), self.weight, self.eps).type_as(x)
+        return F.layer_norm(x.float(), (x.size(-1),), self.weight, None, self.eps).type_as(x)
 
 
 class Rotary(nn.Module):
@@ -181,16 +208,16 @@ class Rotary(nn.Module):
     not recomputed per forward: inside a compiled graph inductor would otherwise fuse the cos/sin
     math into every rotary kernel of every layer (measured: a quarter of d12's step time)."""
 
-    def __init__(self, head_dim: int, block_size: int, base: float):
+    def __init__(self, rotary_dim: int, block_size: int, base: float):
         super().__init__()
         # fp32 throughout, exactly as NoCap builds its tables.
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))
-        freqs = torch.outer(torch.arange(block_size).float(), inv_freq)  # (block_size, head_dim/2)
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+        freqs = torch.outer(torch.arange(block_size).float(), inv_freq)  # (block_size, rotary_dim/2)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 (1, T, 1, head_dim/2) tables that broadcast over batch and heads."""
+        """fp32 (1, T, 1, rotary_dim/2) tables that broadcast over batch and heads."""
         return self.cos[None, :T, None, :], self.sin[None, :T, None, :]
 
 
@@ -201,58 +228,223 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], dim=-1)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
-    """The attention seam. q, k, v: (B, n_head, T, head_dim) -> (B, n_head, T, head_dim)."""
-    if impl == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    # "manual": the plain definition, kept as the reference every fused path is tested against.
-    T = q.size(-2)
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, n_head, T, T)
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    probs = scores.masked_fill(future, float("-inf")).float().softmax(dim=-1).type_as(v)
-    return probs @ v
+def causal_mask(T: int, window: int, device) -> torch.Tensor:
+    """(T, T) boolean, True where query i may attend to key j: j <= i, and i - j < window if window."""
+    i = torch.arange(T, device=device)[:, None]
+    j = torch.arange(T, device=device)[None, :]
+    allowed = j <= i
+    return allowed & (i - j < window) if window else allowed
+
+
+@torch.compiler.disable
+def flex_block_mask(T: int, window: int, device: torch.device):
+    """FlexAttention's block-sparse mask for causal (windowed) attention; built eagerly, outside any
+    compiled graph, and cached per shape."""
+    key = (T, window, str(device))
+    if key not in _flex_masks:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b, h, q, kv):
+            return (kv <= q) & (q - kv < window) if window else kv <= q
+        _flex_masks[key] = create_block_mask(mask_mod, None, None, T, T, device=device)
+    return _flex_masks[key]
+
+
+_flex_masks: dict = {}
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, window: int = 0,
+                     block_mask=None) -> torch.Tensor:
+    """The attention seam. q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim) with n_kv_head
+    dividing n_head (grouped-query attention); returns (B, n_head, T, head_dim)."""
+    grouped = k.size(1) != q.size(1)
+    if impl == "manual":  # the definition, kept as the reference every fused path is tested against
+        if grouped:
+            k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+            v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, n_head, T, T)
+        scores = scores.masked_fill(~causal_mask(q.size(-2), window, q.device), float("-inf"))
+        # Softmax in at least fp32 (bf16 scores under autocast), float64 kept for reference checks.
+        return scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(dim=-1).type_as(v) @ v
+    dense_mask_reason = None
+    if impl == "flex":
+        if not (q.device.type == "cpu" and q.requires_grad):
+            from torch.nn.attention.flex_attention import flex_attention
+            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=grouped)
+        dense_mask_reason = "FlexAttention has no backward on CPU"
+    elif window:
+        dense_mask_reason = f"attn_impl={impl} has no sliding-window kernel"
+    if dense_mask_reason:  # a dense boolean mask works everywhere, slowly
+        notice(f"{dense_mask_reason}; using SDPA with a dense mask (slow)"
+               + ("" if impl == "flex" else " — use --attn_impl flex"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q.size(-2), window, q.device),
+                                              enable_gqa=grouped)
+    if impl == "flash" and q.is_cuda and q.dtype == torch.float32:
+        notice("attn_impl=flash has no fp32 kernel on CUDA; fp32 passes (evaluation) use SDPA's own choice")
+    elif impl == "flash":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    """Multi-head attention with grouped key/value heads (MHA when n_kv_head == n_head, MQA at 1)."""
+
+    def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        self.config = config
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
+        self.config, self.window = config, config.layer_window(layer)
+        q_dim, kv_dim = config.n_embd, config.kv_heads * config.head_dim
+        self.split = (q_dim, kv_dim, kv_dim)
+        # One fused projection; for MHA this is NoCap's c_attn (n_embd -> 3 * n_embd) exactly.
+        self.c_attn = nn.Linear(config.n_embd, q_dim + 2 * kv_dim, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, block_mask=None):
         B, T, C = x.shape
-        n_head, head_dim = self.config.n_head, self.config.head_dim
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = apply_rotary(q.view(B, T, n_head, head_dim), cos, sin)
-        k = apply_rotary(k.view(B, T, n_head, head_dim), cos, sin)
-        v = v.view(B, T, n_head, head_dim)
-        y = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.config.attn_impl)
+        c = self.config
+        q, k, v = self.c_attn(x).split(self.split, dim=2)
+        q = q.view(B, T, c.n_head, c.head_dim)
+        k = k.view(B, T, c.kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = rms_norm(q, c.norm_eps), rms_norm(k, c.norm_eps)
+        if cos is not None:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v = v.view(B, T, c.kv_heads, c.head_dim)
+        y = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), c.attn_impl, self.window,
+                             block_mask)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
-class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 MLA). Keys and values are expanded from one
+    kv_lora_rank-wide latent per token (the only per-token K/V state a cache would keep), plus
+    mla_rope_dim rotary key dimensions shared by all heads; rotary embedding touches only those
+    decoupled dimensions, so the latent's up-projection could be folded into the query at inference."""
+
+    def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, config.mlp_ratio * config.n_embd, bias=False)
-        self.c_proj = nn.Linear(config.mlp_ratio * config.n_embd, config.n_embd, bias=False)
+        self.config, self.window = config, config.layer_window(layer)
+        self.nope_dim = config.head_dim - config.mla_rope_dim
+        self.c_q = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.c_kv_down = nn.Linear(config.n_embd, config.kv_lora_rank + config.mla_rope_dim, bias=False)
+        self.c_kv_up = nn.Linear(config.kv_lora_rank, config.n_head * (self.nope_dim + config.head_dim), bias=False)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x, cos, sin, block_mask=None):
+        B, T, C = x.shape
+        c = self.config
+        q_nope, q_rope = self.c_q(x).view(B, T, c.n_head, c.head_dim).split((self.nope_dim, c.mla_rope_dim), dim=-1)
+        latent, k_rope = self.c_kv_down(x).split((c.kv_lora_rank, c.mla_rope_dim), dim=-1)
+        kv = self.c_kv_up(rms_norm(latent, c.norm_eps)).view(B, T, c.n_head, self.nope_dim + c.head_dim)
+        k_nope, v = kv.split((self.nope_dim, c.head_dim), dim=-1)
+        k_rope = k_rope.view(B, T, 1, c.mla_rope_dim)
+        if cos is not None:
+            q_rope, k_rope = apply_rotary(q_rope, cos, sin), apply_rotary(k_rope, cos, sin)
+        q = torch.cat([q_nope, q_rope], dim=-1)  # (B, T, n_head, head_dim)
+        k = torch.cat([k_nope, k_rope.expand(B, T, c.n_head, c.mla_rope_dim)], dim=-1)
+        if c.qk_norm:
+            q, k = rms_norm(q, c.norm_eps), rms_norm(k, c.norm_eps)
+        y = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), c.attn_impl, self.window,
+                             block_mask)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+def mlp_activation(h: torch.Tensor, act: str) -> torch.Tensor:
+    """The MLP nonlinearity; SwiGLU's h holds the gate and the value side by side."""
+    if act == "gelu":
+        return F.gelu(h)
+    if act == "relu2":
+        return F.relu(h).square()
+    gate, value = h.chunk(2, dim=-1)
+    return F.silu(gate) * value
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig, hidden: int | None = None):
+        super().__init__()
+        self.act = config.mlp_act
+        hidden = hidden or config.mlp_hidden_size
+        gated = 2 if self.act == "swiglu" else 1
+        self.c_fc = nn.Linear(config.n_embd, gated * hidden, bias=False)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
 
     def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x)))
+        return self.c_proj(mlp_activation(self.c_fc(x), self.act))
+
+
+def _grouped_mm_available() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+class MoE(nn.Module):
+    """Token-choice Mixture-of-Experts FFN, dropless: every token goes to its top-k experts, however
+    unbalanced the routing. Tokens are sorted by expert and all experts run in one grouped matmul
+    (`torch._grouped_mm`), or in a loop over experts where that op is missing. A Switch-Transformer
+    loss, E * sum_e f_e * P_e, pushes the router toward balance (it is 1 for uniform routing)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        E, d = config.moe_experts, config.n_embd
+        self.act, self.topk, self.n_experts = config.mlp_act, config.moe_topk, E
+        hidden = config.mlp_hidden_size // config.moe_topk  # top-k experts of this width = the dense MLP's FLOPs
+        gated = 2 if self.act == "swiglu" else 1
+        self.router = nn.Linear(d, E, bias=False)
+        # (E, in, out) so a token block multiplies as x @ w; init as nn.Linear would: U(+-1/sqrt(fan_in)).
+        self.w_in = nn.Parameter(torch.empty(E, d, gated * hidden).uniform_(-d ** -0.5, d ** -0.5))
+        self.w_out = nn.Parameter(torch.empty(E, hidden, d).uniform_(-hidden ** -0.5, hidden ** -0.5))
+        self.shared = MLP(config, hidden) if config.moe_shared_expert else None
+
+    def forward(self, x, use_grouped_mm: bool | None = None):
+        """x: (B, T, d) -> (output (B, T, d), aux loss scalar, per-expert load (E,) as fractions)."""
+        B, T, d = x.shape
+        tokens = x.reshape(-1, d)  # (N, d)
+        probs = self.router(tokens).float().softmax(dim=-1)  # (N, E)
+        top_probs, top_experts = probs.topk(self.topk, dim=-1)  # (N, k)
+        top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
+        flat_experts = top_experts.flatten()  # (N*k,) assignment a belongs to token a // k
+        order = flat_experts.argsort(stable=True)
+        counts = torch.bincount(flat_experts, minlength=self.n_experts)
+        load = counts.float() / flat_experts.numel()  # f_e: share of assignments per expert
+        aux = self.n_experts * (load * probs.mean(dim=0)).sum()
+
+        token_of = order // self.topk
+        routed = tokens[token_of]  # (N*k, d), grouped by expert
+        if use_grouped_mm if use_grouped_mm is not None else _grouped_mm_available():
+            offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
+            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+            h = torch._grouped_mm(routed.to(dtype), self.w_in.to(dtype), offs=offsets)
+            out = torch._grouped_mm(mlp_activation(h, self.act), self.w_out.to(dtype), offs=offsets)
+        else:
+            out, start = [], 0
+            for e, n in enumerate(counts.tolist()):
+                block = routed[start: start + n]
+                out.append(mlp_activation(block @ self.w_in[e], self.act) @ self.w_out[e])
+                start += n
+            out = torch.cat(out)
+        weights = top_probs.flatten()[order].unsqueeze(-1)  # gate of each routed assignment
+        combined = torch.zeros_like(tokens, dtype=out.dtype).index_add_(0, token_of, out * weights.to(out.dtype))
+        if self.shared is not None:
+            combined = combined + self.shared(tokens)
+        return combined.view(B, T, d).type_as(x), aux, load
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        self.eps = config.norm_eps
-        self.attn = CausalSelfAttention(config)
-        self.mlp = MLP(config)
+        self.norm_attn, self.norm_mlp = Norm(config), Norm(config)
+        self.attn = LatentAttention(config, layer) if config.kv_lora_rank else CausalSelfAttention(config, layer)
+        self.mlp = MoE(config) if layer in config.moe_block_indices else MLP(config)
         # NoCap scales only the attention branch, to keep the residual stream's variance in check.
         self.attn_scale = 1 / math.sqrt(2 * config.n_layer)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn_scale * self.attn(rms_norm(x, self.eps), cos, sin)
-        return x + self.mlp(rms_norm(x, self.eps))
+    def forward(self, x, cos, sin, block_mask=None):
+        """Returns the new residual stream and, for an MoE block, its (aux loss, expert load)."""
+        x = x + self.attn_scale * self.attn(self.norm_attn(x), cos, sin, block_mask)
+        if isinstance(self.mlp, MoE):
+            y, aux, load = self.mlp(self.norm_mlp(x))
+            return x + y, (aux, load)
+        return x + self.mlp(self.norm_mlp(x)), None
 
 
 class GPT(nn.Module):
@@ -262,35 +454,95 @@ class GPT(nn.Module):
         # Built in NoCap's order (embedding, blocks, head) with PyTorch's default inits.
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, layer) for layer in range(config.n_layer)]),
         ))
+        if config.pos == "learned":
+            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.norm_f = Norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # tied; keeps the Linear's init
-        self.rotary = Rotary(config.head_dim, config.block_size, config.rope_base)
+        if config.tie_embeddings:
+            self.transformer.wte.weight = self.lm_head.weight  # keeps the Linear's init, as NoCap does
+        # Multi-token prediction: extra target t+1+j comes from its own projection of the final hidden
+        # state into the shared head. The next-token logits never see these branches, and the extra
+        # targets are only ever targets, so nothing from the future reaches the next-token prediction.
+        self.mtp_proj = nn.ModuleList([nn.Linear(config.n_embd, config.n_embd, bias=False)
+                                       for _ in range(config.mtp_k)])
+        self.rotary = Rotary(config.rotary_dim, config.block_size, config.rope_base) if config.pos == "rope" else None
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(h)
+        if self.config.logit_softcap:
+            cap = self.config.logit_softcap
+            logits = cap * torch.tanh(logits.float() / cap)
+        return logits
 
     def forward(self, idx, targets=None, return_logits=True):
-        """idx, targets: (B, T) token ids. Returns (logits or None, mean cross-entropy or None)."""
-        T = idx.size(1)
-        if T > self.config.block_size:
-            raise ValueError(f"sequence of {T} tokens is longer than block_size {self.config.block_size}")
-        cos, sin = self.rotary(T)
+        """idx, targets: (B, T) token ids. Returns (logits or None, loss or None, aux). The loss is the
+        next-token cross-entropy in eval mode and the training objective (plus weighted MTP and MoE
+        terms) in training mode; `aux` holds the terms (detached) for logging, empty in eval mode."""
+        c = self.config
+        B, T = idx.shape
+        if T > c.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size {c.block_size}")
+        cos, sin = self.rotary(T) if self.rotary is not None else (None, None)
+        block_mask = flex_block_mask(T, c.window, idx.device) if c.attn_impl == "flex" else None
         x = self.transformer.wte(idx)  # (B, T, n_embd)
+        if c.pos == "learned":
+            x = x + self.transformer.wpe(torch.arange(T, device=idx.device))
+        moe_terms = []
         for block in self.transformer.h:
-            x = block(x, cos, sin)
-        x = rms_norm(x, self.config.norm_eps)
-        if targets is not None:
-            logits = self.lm_head(x)  # (B, T, vocab)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        else:
-            logits, loss = self.lm_head(x[:, [-1], :]), None  # inference: only the last position
-        return (logits if return_logits else None), loss
+            if c.activation_checkpointing and self.training:
+                x, moe = torch.utils.checkpoint.checkpoint(block, x, cos, sin, block_mask, use_reentrant=False)
+            else:
+                x, moe = block(x, cos, sin, block_mask)
+            if moe is not None:
+                moe_terms.append(moe)
+        h = self.norm_f(x)
+        aux = {}
+        if targets is None:
+            return self.logits(h[:, [-1], :]), None, aux  # inference: only the last position
+        logits = self.logits(h)  # (B, T, vocab)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        if self.training:
+            objective = loss
+            aux["next_token_loss"] = loss.detach()
+            if c.mtp_k:
+                mtp_losses = []
+                for j, proj in enumerate(self.mtp_proj, start=1):
+                    # Position t predicts token t+1+j, i.e. targets[t + j]; the last j positions have none.
+                    extra = self.logits(self.norm_f(proj(h[:, :-j])))
+                    mtp_losses.append(F.cross_entropy(extra.reshape(-1, extra.size(-1)), targets[:, j:].reshape(-1),
+                                                      ignore_index=-1))
+                    aux[f"mtp_loss_{j}"] = mtp_losses[-1].detach()
+                objective = objective + c.mtp_weight * torch.stack(mtp_losses).mean()
+            if moe_terms:
+                moe_aux = torch.stack([a for a, _ in moe_terms]).mean()
+                aux["moe_aux_loss"] = moe_aux.detach()
+                aux["moe_load"] = torch.stack([load for _, load in moe_terms]).mean(dim=0).detach()
+                objective = objective + c.moe_aux_weight * moe_aux
+            loss = objective
+        return (logits if return_logits else None), loss, aux
 
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())  # the tied matrix counts once
+        return sum(p.numel() for p in self.parameters())  # a tied matrix counts once
+
+    def active_params(self) -> int:
+        """Parameters a token uses: routed experts count top-k of n, the router and MTP heads count too."""
+        total = self.num_params()
+        for module in self.modules():
+            if isinstance(module, MoE):
+                per_expert = (module.w_in.numel() + module.w_out.numel()) // module.n_experts
+                total -= per_expert * (module.n_experts - module.topk)
+        return total
 
     def matmul_params(self) -> int:
-        """Parameters used in matrix products per token (every Linear, the lm_head included)."""
-        return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        """Parameters used in matrix products per token (every Linear, the lm_head included, the active
+        experts of an MoE); the MTP heads count with the extra lm_head product each one makes."""
+        total = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        for module in self.modules():
+            if isinstance(module, MoE):
+                total += (module.w_in.numel() + module.w_out.numel()) // module.n_experts * module.topk
+        return total + self.config.mtp_k * self.lm_head.weight.numel()
 
 
 # =============================================================================
@@ -449,7 +701,7 @@ def evaluate(model: nn.Module, val: ValidationSet, world_size: int) -> float:
     model.eval()
     total = None
     for x, y in val:
-        _, loss = model(x, y, return_logits=False)
+        _, loss, _ = model(x, y, return_logits=False)
         total = loss.float() if total is None else total + loss.float()
     mean = total / val.steps
     if world_size > 1:
@@ -679,9 +931,11 @@ def setup_distributed(device_flag: str) -> Distributed:
 
 
 def train_step(model, optimizer, loader: TokenLoader, accumulation: int, lr: float, autocast_ctx,
-               world_size: int) -> torch.Tensor:
-    """One optimizer step over `accumulation` micro-batches; returns the mean loss (a device tensor)."""
+               world_size: int) -> tuple[torch.Tensor, dict]:
+    """One optimizer step over `accumulation` micro-batches. Returns the mean next-token loss (a device
+    tensor) and the mean of each auxiliary term the model reports (MTP losses, MoE balance and load)."""
     step_loss = torch.zeros((), device=loader.device)
+    aux_means: dict[str, torch.Tensor] = {}
     for micro_step in range(accumulation):
         x, y = loader.next_batch()
         # DDP all-reduces gradients only on the last micro-batch.
@@ -689,17 +943,19 @@ def train_step(model, optimizer, loader: TokenLoader, accumulation: int, lr: flo
         sync = contextlib.nullcontext() if world_size == 1 or last else model.no_sync()
         with sync:
             with autocast_ctx:
-                _, loss = model(x, y, return_logits=False)
-            loss = loss / accumulation
-            step_loss += loss.detach()
-            loss.backward()
+                _, objective, aux = model(x, y, return_logits=False)
+            (objective / accumulation).backward()
+        step_loss += aux.pop("next_token_loss") / accumulation
+        for name, value in aux.items():
+            aux_means[name] = aux_means.get(name, 0) + value.float() / accumulation
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if world_size > 1:
-        dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)
-    return step_loss
+        for value in (step_loss, *aux_means.values()):
+            dist.all_reduce(value, op=dist.ReduceOp.AVG)
+    return step_loss, aux_means
 
 
 def synchronize(device: torch.device):
@@ -766,6 +1022,9 @@ def train(args) -> int:
     env = setup_distributed(args.device)
     accumulation = resolve_grad_accumulation(args, env.world_size)
     B, T = args.batch_size, args.sequence_length
+    if config.attn_impl == "flash" and env.device.type == "cuda" and torch.cuda.get_device_capability(env.device) < (8, 0):
+        raise InputError("--attn_impl flash: this GPU has no flash-attention kernel (it needs sm80+, Ampere or "
+                         "newer); use --attn_impl sdpa")
     if T > config.block_size:
         raise InputError(f"--sequence_length {T} exceeds the model's block_size {config.block_size}; "
                          f"pass --block_size {T} (or more)")
@@ -894,7 +1153,8 @@ def train(args) -> int:
             lr = lr_at(step, args)
             synchronize(env.device)
             t0 = time.perf_counter()
-            step_loss = train_step(model, optimizer, train_loader, accumulation, lr, autocast_ctx, env.world_size)
+            step_loss, aux = train_step(model, optimizer, train_loader, accumulation, lr, autocast_ctx,
+                                        env.world_size)
             synchronize(env.device)
             step_s = time.perf_counter() - t0
             train_time_s += step_s
@@ -907,7 +1167,7 @@ def train(args) -> int:
             train_loss = step_loss.item()
             log.record(step=step, tokens=step * tokens_per_step, train_loss=train_loss, lr=lr,
                        step_ms=1000 * step_s, tokens_per_s=tokens_per_s, mfu=mfu, train_time_s=train_time_s,
-                       peak_mem_mib=peak_mem)
+                       peak_mem_mib=peak_mem, **{name: value.tolist() for name, value in aux.items()})
             line = (f"step:{step}/{args.num_iterations} | loss {train_loss:.6f} | lr {lr:.3e} | "
                     f"{1000 * step_s:.1f}ms | {tokens_per_s:,.0f} tok/s"
                     + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") + f" | train_time {train_time_s:.1f}s")
@@ -941,11 +1201,14 @@ def train(args) -> int:
 
 
 def list_models() -> str:
-    rows = [f"{'name':<8} {'layers':>6} {'heads':>5} {'width':>5} {'params':>8}"]
+    rows = [f"{'name':<11}{'layers':>7}{'heads':>6}{'kv':>4}{'width':>6}{'params':>9}{'active':>9}  differs from d12"]
     for name, config in VARIANTS.items():
         with torch.device("meta"):
-            params = GPT(config).num_params()
-        rows.append(f"{name:<8} {config.n_layer:>6} {config.n_head:>5} {config.n_embd:>5} {params / 1e6:>7.1f}M")
+            model = GPT(config)
+        changed = ", ".join(f"{f.name}={getattr(config, f.name)}" for f in config_fields()
+                            if getattr(config, f.name) != getattr(VARIANTS["d12"], f.name))
+        rows.append(f"{name:<11}{config.n_layer:>7}{config.n_head:>6}{config.kv_heads:>4}{config.n_embd:>6}"
+                    f"{model.num_params() / 1e6:>8.1f}M{model.active_params() / 1e6:>8.1f}M  {changed}")
     return "\n".join(rows)
 
 

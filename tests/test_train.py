@@ -305,3 +305,15 @@ def test_wandb_is_only_imported_when_asked_for(tmp_path, shards, capsys, monkeyp
     capsys.readouterr()
     line = _error(capsys, tiny_run_args(shards, tmp_path, "logged", "--log_wandb"))
     assert "--log_wandb: wandb is not installed; pip install wandb" in line
+
+
+def test_moe_and_mtp_terms_are_logged_beside_the_next_token_loss(tmp_path, shards, capsys):
+    code, _, _ = run(capsys, shards, tmp_path, "run", "--moe_experts", "4", "--moe_topk", "2", "--mtp_k", "2")
+    assert code == 0
+    train = [r for r in read_metrics(tmp_path / "run") if "train_loss" in r]
+    for r in train:
+        assert len(r["moe_load"]) == 4 and sum(r["moe_load"]) == pytest.approx(1.0)
+        assert r["moe_aux_loss"] >= 1.0 - 1e-6  # E * sum f*P is minimised (1) by balanced routing
+        assert {"mtp_loss_1", "mtp_loss_2"} <= r.keys()
+    # The logged train loss is the next-token loss alone, so it is comparable across variants.
+    assert all(r["train_loss"] < r["mtp_loss_2"] + 1.0 for r in train)

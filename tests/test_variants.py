@@ -1,0 +1,313 @@
+"""Every model idea of model_variants.py: each registered variant builds, learns and is causal; the
+equivalences that pin each idea to its definition hold on the same weights."""
+
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_variants import D12, TINY, VARIANTS, GPTConfig, with_overrides
+from train_gpt2 import GPT, MLP, MoE, causal_attention, causal_mask
+
+warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+
+
+def shrink(config: GPTConfig, **changes) -> GPTConfig:
+    """The same idea at test size: 2 layers, width 64, 4 heads, vocab 128."""
+    small = replace(config, n_layer=2, n_head=4, n_embd=64, vocab_size=128, block_size=64,
+                    n_kv_head=min(config.n_kv_head, 2), kv_lora_rank=16 if config.kv_lora_rank else 0,
+                    mla_rope_dim=8, window=8 if config.window else 0)
+    return replace(small, **changes)
+
+
+def next_token_logit_grads(model, idx, t):
+    """d(logits at position t) / d(input embeddings), through a hook that swaps in a leaf tensor."""
+    captured = {}
+
+    def hook(module, inputs, output):
+        captured["emb"] = output.detach().requires_grad_()
+        return captured["emb"]
+    handle = model.transformer.wte.register_forward_hook(hook)
+    logits, _, _ = model(idx, idx)
+    handle.remove()
+    logits[0, t].sum().backward()
+    return captured["emb"].grad
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_every_variant_builds_trains_and_is_causal(name):
+    torch.manual_seed(0)
+    model = GPT(shrink(VARIANTS[name]) if name.startswith("d") else VARIANTS[name])
+    V = model.config.vocab_size
+    idx = torch.randint(0, V, (2, 24))
+    grads = next_token_logit_grads(model, idx, t=10)
+    assert grads[0, 11:].abs().max().item() == 0.0  # nothing after position 10 reaches its logits
+    assert grads[0, :11].abs().max().item() > 0.0
+
+    model.zero_grad()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(25):
+        _, loss, _ = model(idx[:, :-1], idx[:, 1:])
+        assert torch.isfinite(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.6 * losses[0], (name, losses[0], losses[-1])
+
+
+def test_grouped_query_heads_equal_mha_with_repeated_kv_weights():
+    """GQA: query head h reads key/value head h // (n_head / n_kv_head). An MHA model whose K/V
+    projections repeat each shared head's rows that way computes the same function."""
+    torch.manual_seed(0)
+    gqa = GPT(with_overrides(TINY, vocab_size=64, n_kv_head=2)).double()
+    mha = GPT(with_overrides(TINY, vocab_size=64)).double()
+    state = gqa.state_dict()
+    d, hd = 64, 16
+    for layer in range(2):
+        w = state[f"transformer.h.{layer}.attn.c_attn.weight"]  # (d + 2 * 2 * hd, d)
+        q, k, v = w.split((d, 2 * hd, 2 * hd))
+        repeat = lambda m: m.view(2, hd, d).repeat_interleave(2, dim=0).reshape(4 * hd, d)
+        state[f"transformer.h.{layer}.attn.c_attn.weight"] = torch.cat([q, repeat(k), repeat(v)])
+    mha.load_state_dict(state)
+    idx = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(gqa.eval()(idx, idx)[1], mha.eval()(idx, idx)[1])
+
+
+def test_gqa_with_n_kv_head_equal_to_n_head_is_mha():
+    torch.manual_seed(0)
+    mha = GPT(with_overrides(TINY, vocab_size=64))
+    same = GPT(with_overrides(TINY, vocab_size=64, n_kv_head=4))
+    same.load_state_dict(mha.state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(mha.eval()(idx, idx)[1], same.eval()(idx, idx)[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "flash", "flex"])
+@pytest.mark.parametrize("window, kv_heads", [(0, 4), (0, 2), (5, 4), (5, 1)])
+def test_attention_backends_equal_manual(impl, window, kv_heads):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 32, 16)
+    k, v = torch.randn(2, kv_heads, 32, 16), torch.randn(2, kv_heads, 32, 16)
+    mask = None
+    if impl == "flex":
+        from train_gpt2 import flex_block_mask
+        mask = flex_block_mask(32, window, q.device)
+    got = causal_attention(q, k, v, impl, window, mask)
+    torch.testing.assert_close(got, causal_attention(q, k, v, "manual", window), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "flex"])
+def test_hybrid_local_global_model_equals_manual(impl):
+    torch.manual_seed(0)
+    config = with_overrides(TINY, vocab_size=64, n_layer=4, window=6, window_pattern="LLLG", attn_impl=impl)
+    assert [config.layer_window(i) for i in range(4)] == [6, 6, 6, 0]
+    model, manual = GPT(config), GPT(with_overrides(config, attn_impl="manual"))
+    manual.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 64, (2, 20))
+    torch.testing.assert_close(model.eval()(idx, idx)[1], manual.eval()(idx, idx)[1], rtol=1e-5, atol=1e-5)
+
+
+def test_window_restricts_attention_to_recent_tokens():
+    mask = causal_mask(6, 3, "cpu")
+    assert mask[5].tolist() == [False, False, False, True, True, True]
+    assert mask[1].tolist() == [True, True, False, False, False, False]
+
+
+def test_sdpa_with_a_window_falls_back_with_one_notice(capsys):
+    import train_gpt2
+    train_gpt2._notices_shown.clear()
+    q = torch.randn(1, 2, 8, 4)
+    for _ in range(3):
+        causal_attention(q, q, q, "sdpa", window=3)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("notice: attn_impl=sdpa has no sliding-window kernel")
+
+
+def test_swiglu_matches_gelu_mlp_parameters():
+    for config in (D12, replace(D12, mlp_ratio=3)):
+        gelu = sum(p.numel() for p in MLP(config).parameters())
+        swiglu_config = replace(config, mlp_act="swiglu")
+        swiglu = sum(p.numel() for p in MLP(swiglu_config).parameters())
+        assert swiglu_config.mlp_hidden_size % 64 == 0
+        assert abs(swiglu - gelu) <= 3 * 64 * config.n_embd  # equal up to rounding the width to 64
+    assert replace(D12, mlp_act="swiglu").mlp_hidden_size == 2048  # 2/3 of 3072
+    assert replace(D12, mlp_act="swiglu", mlp_hidden=1000).mlp_hidden_size == 1000  # the explicit flag wins
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu2", "swiglu"])
+def test_mlp_activations(act):
+    torch.manual_seed(0)
+    mlp = MLP(with_overrides(TINY, mlp_act=act)).double()
+    x = torch.randn(3, 64, dtype=torch.float64)
+    h = x @ mlp.c_fc.weight.T
+    inner = {"gelu": F.gelu(h), "relu2": F.relu(h) ** 2,
+             "swiglu": F.silu(h[:, :h.size(1) // 2]) * h[:, h.size(1) // 2:]}[act]
+    torch.testing.assert_close(mlp(x), inner @ mlp.c_proj.weight.T)
+
+
+def test_moe_with_one_expert_top1_equals_the_dense_mlp():
+    torch.manual_seed(0)
+    config = with_overrides(TINY, moe_experts=1, moe_topk=1)
+    moe, dense = MoE(config), MLP(config)  # float32: torch._grouped_mm has no float64 kernel
+    with torch.no_grad():
+        moe.w_in.copy_(dense.c_fc.weight.T[None])
+        moe.w_out.copy_(dense.c_proj.weight.T[None])
+    x = torch.randn(2, 5, 64)
+    for grouped in (True, False):
+        out, aux, load = moe(x, use_grouped_mm=grouped)
+        torch.testing.assert_close(out, dense(x), rtol=1e-5, atol=1e-6)
+        assert aux.item() == pytest.approx(1.0) and load.tolist() == [1.0]
+
+
+@pytest.mark.parametrize("act, shared", [("gelu", False), ("swiglu", True)])
+def test_grouped_mm_moe_equals_the_per_expert_loop(act, shared):
+    torch.manual_seed(0)
+    moe = MoE(with_overrides(TINY, moe_experts=4, moe_topk=2, mlp_act=act, moe_shared_expert=shared))
+    x = torch.randn(3, 7, 64, requires_grad=True)
+    grouped, aux_g, _ = moe(x, use_grouped_mm=True)
+    grouped.sum().backward()
+    grad_grouped = [x.grad.clone()] + [p.grad.clone() for p in moe.parameters()]
+    x.grad = None
+    moe.zero_grad()
+    looped, aux_l, _ = moe(x, use_grouped_mm=False)
+    looped.sum().backward()
+    torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grad_grouped, [x.grad] + [p.grad for p in moe.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_routes_each_token_to_exactly_topk_experts():
+    torch.manual_seed(0)
+    moe = MoE(with_overrides(TINY, moe_experts=4, moe_topk=2))
+    x = torch.randn(1, 6, 64)
+    out, _, load = moe(x)
+    assert load.sum().item() == pytest.approx(1.0)
+    # Rebuild the output token by token from the router's top-2 choice and the experts' weights.
+    probs = moe.router(x[0]).softmax(-1)
+    for t in range(6):
+        p, experts = probs[t].topk(2)
+        p = p / p.sum()
+        expected = sum(p[i] * (F.gelu(x[0, t] @ moe.w_in[e]) @ moe.w_out[e]) for i, e in enumerate(experts.tolist()))
+        torch.testing.assert_close(out[0, t], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_aux_loss_is_one_for_uniform_routing():
+    moe = MoE(with_overrides(TINY, moe_experts=8, moe_topk=2))
+    torch.nn.init.zeros_(moe.router.weight)  # every expert equally likely for every token
+    _, aux, _ = moe(torch.randn(2, 16, 64))
+    assert aux.item() == pytest.approx(1.0)
+
+
+def test_mtp_leaves_next_token_loss_alone_and_adds_its_weighted_terms():
+    torch.manual_seed(0)
+    base_config = with_overrides(TINY, vocab_size=64)
+    base, mtp = GPT(base_config), GPT(with_overrides(base_config, mtp_k=2, mtp_weight=0.5))
+    mtp.load_state_dict(base.state_dict(), strict=False)  # shares everything but the MTP projections
+    idx = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(mtp.eval()(idx, idx)[1], base.eval()(idx, idx)[1])  # eval: next-token only
+    mtp.train()
+    _, objective, aux = mtp(idx, idx)
+    extras = [F.cross_entropy(mtp.logits(mtp.norm_f(proj(_final_hidden(mtp, idx)[:, :-j]))).reshape(-1, 64),
+                              idx[:, j:].reshape(-1)) for j, proj in enumerate(mtp.mtp_proj, start=1)]
+    torch.testing.assert_close(aux["mtp_loss_1"], extras[0].detach())
+    torch.testing.assert_close(objective, aux["next_token_loss"] + 0.5 * (extras[0] + extras[1]) / 2)
+
+
+def _final_hidden(model, idx):
+    cos, sin = model.rotary(idx.size(1))
+    x = model.transformer.wte(idx)
+    for block in model.transformer.h:
+        x, _ = block(x, cos, sin)
+    return model.norm_f(x)
+
+
+def test_mtp_zero_is_the_baseline():
+    torch.manual_seed(0)
+    a = GPT(with_overrides(TINY, vocab_size=64))
+    b = GPT(with_overrides(TINY, vocab_size=64, mtp_k=0, mtp_weight=0.9))
+    b.load_state_dict(a.state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+    assert torch.equal(a(idx, idx)[1], b(idx, idx)[1]) and not list(b.mtp_proj)
+
+
+def test_mla_compresses_kv_through_the_latent():
+    config = shrink(D12, kv_lora_rank=16, mla_rope_dim=8)
+    attn = GPT(config).transformer.h[0].attn
+    assert attn.c_kv_down.weight.shape == (16 + 8, 64)  # latent + shared rotary key
+    assert attn.c_kv_up.weight.shape == (4 * (8 + 16), 16)  # per head: rotary-free key part + value
+    model = GPT(config)
+    manual = GPT(with_overrides(config, attn_impl="manual"))
+    manual.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 128, (2, 20))
+    torch.testing.assert_close(model.eval()(idx, idx)[1], manual.eval()(idx, idx)[1])
+
+
+@pytest.mark.parametrize("norm", ["rms_gain", "layer"])
+def test_norm_variants(norm):
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=64, norm=norm))
+    layer_norm = model.transformer.h[0].norm_attn
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        layer_norm.weight.uniform_(0.5, 1.5)
+    ref = (F.rms_norm(x, (64,), layer_norm.weight, 1e-6) if norm == "rms_gain"
+           else F.layer_norm(x, (64,), layer_norm.weight, None, 1e-6))
+    torch.testing.assert_close(layer_norm(x), ref)
+    assert sum(p.numel() for n, p in model.named_parameters() if "norm" in n) == (2 * 2 + 1) * 64
+
+
+def test_qk_norm_makes_attention_invariant_to_query_key_scale():
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=64, qk_norm=True)).double().eval()
+    idx = torch.randint(0, 64, (1, 12))
+    before = model(idx, idx)[1]
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight[: 2 * 64] *= 7.0  # scale queries and keys
+    torch.testing.assert_close(model(idx, idx)[1], before, rtol=1e-6, atol=1e-6)  # norms compute in fp32
+
+
+def test_learned_positions_untied_head_and_softcap():
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=64, pos="learned", tie_embeddings=False, logit_softcap=2.0))
+    assert model.rotary is None and model.transformer.wpe.weight.shape == (1024, 64)
+    assert model.lm_head.weight is not model.transformer.wte.weight
+    logits, _, _ = model(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))
+    assert logits.abs().max().item() <= 2.0
+    # Learned positions make the output depend on where a token sits: swap two positions, logits change.
+    idx = torch.tensor([[1, 2, 1, 2]])
+    assert not torch.allclose(model(idx, idx)[0][0, 0], model(idx, idx)[0][0, 2])
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    plain = GPT(with_overrides(TINY, vocab_size=64))
+    ckpt = GPT(with_overrides(TINY, vocab_size=64, activation_checkpointing=True))
+    ckpt.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+    for model in (plain, ckpt):
+        model(idx, idx)[1].backward()
+    for a, b in zip(plain.parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(n_kv_head=5), "n_kv_head=5 does not divide n_head=12"),
+    (dict(moe_experts=4, moe_layers="1,99"), "indices must lie in 0..11"),
+    (dict(moe_experts=4, moe_topk=5), "moe_topk=5 exceeds"),
+    (dict(window=8, window_pattern="LX"), "made of L and G"),
+    (dict(kv_lora_rank=64, mla_rope_dim=64), "mla_rope_dim=64"),
+    (dict(mlp_act="geglu"), "mlp_act='geglu'"),
+])
+def test_invalid_variant_fields_explain_themselves(bad, message):
+    with pytest.raises(ValueError, match=message):
+        replace(D12, **bad)
+
+
+def test_moe_layers_select_blocks():
+    model = GPT(with_overrides(TINY, n_layer=4, moe_experts=2, moe_topk=1, moe_layers="1,3"))
+    assert [type(b.mlp).__name__ for b in model.transformer.h] == ["MLP", "MoE", "MLP", "MoE"]
