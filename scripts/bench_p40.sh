@@ -2,6 +2,8 @@
 # On the GPU machine: run the P40 benchmark for each model named, one after the other in this one call,
 # score each final checkpoint on the real-FineWeb check shard, and print a table last.
 #   bash scripts/bench_p40.sh d12 [d12_other ...]        (extra train flags: P40_FLAGS="--seed 1")
+#   P40_QUICK=1 bash scripts/bench_p40.sh d12 d12_gqa ... throughput only: 30 steps, one 16k-token eval,
+#                                                         no FineWeb check, no coordinate-descent tuning
 # Expects .bench_data/ (see ../shared/BENCHMARKS.md: the proxy .xz shards + fwtextfixer_val_000000.bin).
 # Logs and summaries go to $OUT (the device tool's return folder) or /tmp/bench_out.
 set -uo pipefail
@@ -16,12 +18,21 @@ for f in .bench_data/*.xz; do
 done
 cp .bench_data/fwtextfixer_val_000000.bin "$P40_DATA/"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+quick=()
+[ "${P40_QUICK:-0}" = 1 ] && quick=(--num_iterations 30 --warmup_iters 5 --warmdown_iters 5 --val_loss_every 0
+                                   --val_tokens 16384 --no-coordinate_descent_tuning)
 for model in "$@"; do
   name="${model}${P40_TAG:-}"
   rm -rf "${runs:?}/$name"
-  bash scripts/p40.sh "$model" --output_dir "$runs" --run_name "$name" ${P40_FLAGS:-} 2>&1 | tee "$out/$name.log"
-  python3 scripts/eval_checkpoint.py --checkpoint "$(ls "$runs/$name"/ckpt_*.pt | tail -1)" \
-    --val_bin "$P40_DATA/fwtextfixer_val_000000.bin" --val_tokens 212992 | tee "$runs/$name/fineweb_check.txt"
+  bash scripts/p40.sh "$model" --output_dir "$runs" --run_name "$name" "${quick[@]}" ${P40_FLAGS:-} 2>&1 \
+    | grep -v -E "^step:[0-9]+/[0-9]+ \| loss" | tee "$out/$name.log"
+  if [ "${P40_QUICK:-0}" = 1 ]; then
+    echo "val_loss: nan" > "$runs/$name/fineweb_check.txt"
+  else
+    python3 scripts/eval_checkpoint.py --checkpoint "$(ls "$runs/$name"/ckpt_*.pt | tail -1)" \
+      --val_bin "$P40_DATA/fwtextfixer_val_000000.bin" --val_tokens 212992 | tee "$runs/$name/fineweb_check.txt"
+  fi
+  rm -f "$runs/$name"/ckpt_*.pt  # checkpoints stay on the GPU machine; only logs come back
   cp "$runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl"
   cp "$runs/$name/summary.json" "$out/$name.summary.json"
 done
@@ -29,11 +40,17 @@ python3 - "$runs" "${P40_TAG:-}" "$@" <<'PY'
 import json, sys
 runs, tag, models = sys.argv[1], sys.argv[2], sys.argv[3:]
 names = [model + tag for model in models]
-print(f"{'run':<16}{'P40 val':>9}{'FW check':>10}{'train s':>9}{'compile s':>10}{'tok/s':>10}{'MFU':>7}{'peak MiB':>10}")
+print(f"{'run':<16}{'P40 val':>9}{'FW check':>10}{'train s':>9}{'compile s':>10}{'tok/s':>10}{'MFU':>7}{'peak MiB':>10}"
+      f"{'params':>9}")
 for name in names:
-    s = json.load(open(f"{runs}/{name}/summary.json"))
+    try:
+        s = json.load(open(f"{runs}/{name}/summary.json"))
+    except FileNotFoundError:
+        print(f"{name:<16}failed: see {name}.log")
+        continue
     fw = open(f"{runs}/{name}/fineweb_check.txt").read().split()[-1]
     mfu = f"{100 * s['mfu']:.1f}%" if s["mfu"] else "n/a"
     print(f"{name:<16}{s['final_val_loss']:>9.4f}{float(fw):>10.4f}{s['train_time_s']:>9.1f}{s['compile_s']:>10.1f}"
-          f"{s['tokens_per_s']:>10,.0f}{mfu:>7}{s['peak_mem_mib']:>10,.0f}")
+          f"{s['tokens_per_s']:>10,.0f}{mfu:>7}{s['peak_mem_mib']:>10,.0f}"
+          f"{json.load(open(f'{runs}/{name}/config.json'))['num_params'] / 1e6:>8.1f}M")
 PY
