@@ -373,8 +373,12 @@ class MLP(nn.Module):
         return self.c_proj(mlp_activation(self.c_fc(x), self.act))
 
 
-def _grouped_mm_available() -> bool:
-    return hasattr(torch, "_grouped_mm")
+def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm can run here: CUDA kernels take bf16 only (measured with torch 2.11 on
+    an H100: fp32 inputs fail, which is what the fp32 evaluation pass would give), the CPU one fp32/bf16."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return dtype == torch.bfloat16 if device_type == "cuda" else dtype in (torch.float32, torch.bfloat16)
 
 
 class MoE(nn.Module):
@@ -410,9 +414,12 @@ class MoE(nn.Module):
 
         token_of = order // self.topk
         routed = tokens[token_of]  # (N*k, d), grouped by expert
-        if use_grouped_mm if use_grouped_mm is not None else _grouped_mm_available():
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        if use_grouped_mm is None:
+            use_grouped_mm = grouped_mm_supported(device, dtype)
+        if use_grouped_mm:
             offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
-            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
             h = torch._grouped_mm(routed.to(dtype), self.w_in.to(dtype), offs=offsets)
             out = torch._grouped_mm(mlp_activation(h, self.act), self.w_out.to(dtype), offs=offsets)
         else:

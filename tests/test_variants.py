@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from model_variants import D12, TINY, VARIANTS, GPTConfig, with_overrides
-from train_gpt2 import GPT, MLP, MoE, causal_attention, causal_mask
+from train_gpt2 import GPT, MLP, MoE, causal_attention, causal_mask, grouped_mm_supported
 
 warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
 
@@ -311,3 +311,10 @@ def test_invalid_variant_fields_explain_themselves(bad, message):
 def test_moe_layers_select_blocks():
     model = GPT(with_overrides(TINY, n_layer=4, moe_experts=2, moe_topk=1, moe_layers="1,3"))
     assert [type(b.mlp).__name__ for b in model.transformer.h] == ["MLP", "MoE", "MLP", "MoE"]
+
+
+def test_grouped_mm_is_only_chosen_where_its_kernels_exist():
+    assert not grouped_mm_supported("cuda", torch.float32)  # the fp32 evaluation pass loops over experts
+    assert grouped_mm_supported("cuda", torch.bfloat16) == hasattr(torch, "_grouped_mm")
+    assert grouped_mm_supported("cpu", torch.float32) == hasattr(torch, "_grouped_mm")
+    assert not grouped_mm_supported("cpu", torch.float64)
