@@ -1089,7 +1089,7 @@ def train(args) -> int:
         torch_version=torch.__version__, cuda_version=torch.version.cuda,
         device=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",
         world_size=env.world_size, grad_accumulation_steps_per_process=accumulation,
-        tokens_per_step=tokens_per_step, num_params=raw_model.num_params(),
+        tokens_per_step=tokens_per_step, num_params=raw_model.num_params(), active_params=raw_model.active_params(),
         resumed_from=ckpt_path, compile=use_compile))
     log.print(f"model {args.model}: {raw_model.num_params():,} parameters | {tokens_per_step:,} tokens/step "
               f"({B}x{T} x {accumulation} accumulation x {env.world_size} processes) | train data "

@@ -1,0 +1,205 @@
+"""Compare training runs from their logs: time and tokens to a target val loss, throughput, memory.
+
+    python scripts/compare_runs.py logs/d12-* logs/d12_fast-* [--target 3.3821] [--plot compare.png]
+
+Reads each run directory's metrics.jsonl (and config.json / summary.json when present). Runs that
+differ only in --seed are grouped and shown as mean ± std. Time and tokens to the target are
+interpolated linearly between the two evaluations that straddle it. The speed-up column divides the
+first row's time to target by each row's.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+# Flags that do not change what is trained: runs differing only in these are seeds of one config.
+NOT_CONFIG = {"seed", "run_name", "output_dir", "resume", "log_wandb", "save_every", "device"}
+
+
+class LogError(Exception):
+    """A run directory that cannot be read: reported as one `error:` line."""
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """Records of a metrics.jsonl. A torn last line (a run killed mid-write) is dropped; a bad line
+    anywhere else is an error naming the line."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break
+            raise LogError(f"{path}:{number}: not a JSON line; the file is corrupt") from None
+    return records
+
+
+def load_run(run_dir: str) -> dict:
+    if not os.path.isdir(run_dir):
+        raise LogError(f"{run_dir}: no such run directory")
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(metrics_path):
+        raise LogError(f"{run_dir}: no metrics.jsonl — not a train_gpt2.py run directory")
+    records = read_jsonl(metrics_path)
+    optional = {}
+    for name in ("config.json", "summary.json"):
+        path = os.path.join(run_dir, name)
+        if os.path.exists(path):
+            try:
+                with open(path) as f:
+                    optional[name] = json.load(f)
+            except json.JSONDecodeError:
+                raise LogError(f"{path}: not valid JSON; the file is corrupt") from None
+    evals = [r for r in records if "val_loss" in r]
+    steps = [r for r in records if "train_loss" in r]
+    if not evals:
+        raise LogError(f"{run_dir}: metrics.jsonl has no evaluation yet")
+    config = optional.get("config.json", {})
+    summary = optional.get("summary.json", {})
+    return dict(name=os.path.basename(os.path.normpath(run_dir)), dir=run_dir, evals=evals, steps=steps,
+                config=config, summary=summary, finished=bool(summary))
+
+
+def crossing(evals: list[dict], target: float) -> tuple[float, float] | None:
+    """(train_time_s, tokens) at which val loss first reaches `target`, interpolated between the two
+    evaluations around the crossing; None if it never does."""
+    previous = None
+    for record in evals:
+        if record["val_loss"] <= target:
+            if previous is None:
+                return record["train_time_s"], record["tokens"]
+            # Fraction of the way from the previous evaluation to this one where the line hits the target.
+            f = (previous["val_loss"] - target) / (previous["val_loss"] - record["val_loss"])
+            return (previous["train_time_s"] + f * (record["train_time_s"] - previous["train_time_s"]),
+                    previous["tokens"] + f * (record["tokens"] - previous["tokens"]))
+        previous = record
+    return None
+
+
+def run_stats(run: dict, target: float) -> dict:
+    """The numbers of one run; throughput from summary.json, else the median of logged steps 11+."""
+    steps, summary = run["steps"], run["summary"]
+    hit = crossing(run["evals"], target)
+    steady = [s["tokens_per_s"] for s in steps[10:] or steps]
+    mfus = [s["mfu"] for s in steps[10:] or steps if s.get("mfu") is not None]
+    mems = [s["peak_mem_mib"] for s in steps if s.get("peak_mem_mib") is not None]
+    return dict(
+        final_val_loss=run["evals"][-1]["val_loss"],
+        time_to_target=hit[0] if hit else None,
+        tokens_to_target=hit[1] if hit else None,
+        tokens_per_s=summary.get("tokens_per_s") or (statistics.median(steady) if steady else None),
+        mfu_pct=100 * (summary.get("mfu") or (statistics.median(mfus) if mfus else 0)) or None,
+        peak_mem_mib=summary.get("peak_mem_mib") or (max(mems) if mems else None),
+        compile_s=summary.get("compile_s"),
+    )
+
+
+def group_key(run: dict) -> str:
+    args = run["config"].get("args")
+    if not args:
+        return run["name"]  # no config.json: the run stands alone
+    return json.dumps({k: v for k, v in args.items() if k not in NOT_CONFIG}, sort_keys=True)
+
+
+def group_runs(runs: list[dict]) -> list[list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(group_key(run), []).append(run)
+    return list(groups.values())
+
+
+def mean_std(values: list) -> tuple[float | None, float | None, int]:
+    """Mean and sample std of the non-missing values, and how many were missing."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None, None, len(values)
+    std = statistics.stdev(present) if len(present) > 1 else None
+    return statistics.fmean(present), std, len(values) - len(present)
+
+
+def fmt(value, std=None, spec=".4f", missing=0) -> str:
+    if value is None:
+        return "n/a"
+    text = format(value, spec)
+    if std is not None:
+        text += f" ± {format(std, spec)}"
+    if missing:
+        text += f" ({missing} not)"
+    return text
+
+
+def comparison_table(groups: list[list[dict]], target: float) -> str:
+    columns = ["run", "n", "final val", f"time to {target} (s)", "tokens to target", "tokens/s", "MFU %",
+               "peak MiB", "compile s", "speed-up"]
+    rows, baseline_time = [], None
+    for group in groups:
+        stats = [run_stats(run, target) for run in group]
+        col = {key: mean_std([s[key] for s in stats]) for key in stats[0]}
+        label = group[0]["name"] if len(group) == 1 else f"{group[0]['name']} (+{len(group) - 1} seeds)"
+        if not all(run["finished"] for run in group):
+            label += " [unfinished]"
+        time_mean = col["time_to_target"][0]
+        if baseline_time is None:
+            baseline_time = time_mean if time_mean else math.nan
+        speedup = baseline_time / time_mean if time_mean and not math.isnan(baseline_time) else None
+        rows.append([label, str(len(group)), fmt(*col["final_val_loss"][:2]),
+                     fmt(*col["time_to_target"][:2], spec=".1f", missing=col["time_to_target"][2]),
+                     fmt(*col["tokens_to_target"][:2], spec=",.0f", missing=col["tokens_to_target"][2]),
+                     fmt(*col["tokens_per_s"][:2], spec=",.0f"),
+                     fmt(*col["mfu_pct"][:2], spec=".1f"),
+                     fmt(*col["peak_mem_mib"][:2], spec=",.0f"), fmt(*col["compile_s"][:2], spec=".1f"),
+                     fmt(speedup, spec=".2f") + "x" if speedup else "n/a"])
+    widths = [max(len(r[i]) for r in rows + [columns]) for i in range(len(columns))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], target: float, path: str):
+    import matplotlib  # imported only here: plotting is optional
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run in runs:
+        evals = run["evals"][1:] or run["evals"]  # the step-0 loss (~10.9) would flatten the curves
+        by_time.plot([r["train_time_s"] for r in evals], [r["val_loss"] for r in evals], label=run["name"])
+        by_tokens.plot([r["tokens"] / 1e6 for r in evals], [r["val_loss"] for r in evals], label=run["name"])
+    for axis, xlabel in ((by_time, "training time (s)"), (by_tokens, "tokens (M)")):
+        axis.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target}")
+        axis.set_xlabel(xlabel)
+        axis.set_ylabel("val loss")
+        axis.grid(alpha=0.3)
+    by_tokens.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dirs", nargs="+", help="run directories written by train_gpt2.py")
+    p.add_argument("--target", type=float, default=3.3821, help="val loss whose crossing is timed")
+    p.add_argument("--plot", default=None, help="also draw val loss vs time and vs tokens into this PNG")
+    args = p.parse_args(argv)
+    try:
+        runs = [load_run(d) for d in args.run_dirs]
+    except LogError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(comparison_table(group_runs(runs), args.target))
+    if args.plot:
+        plot(runs, args.target, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""scripts/compare_runs.py on logs the tests write: interpolation to the target, seed grouping,
+speed-up, plots, and clear errors for missing or damaged files."""
+
+import json
+import sys
+
+import pytest
+
+from conftest import REPO, tiny_run_args
+from train_gpt2 import main as train_main
+
+sys.path.insert(0, str(REPO / "scripts"))
+import compare_runs  # noqa: E402
+
+
+def write_run(directory, name, evals, seed=0, lr=1e-3, tokens_per_s=1000.0, summary=True, steps=20):
+    run = directory / name
+    run.mkdir(parents=True)
+    with open(run / "metrics.jsonl", "w") as f:
+        for i in range(1, steps + 1):
+            f.write(json.dumps(dict(step=i, tokens=100 * i, train_loss=5.0, lr=lr, step_ms=1.0,
+                                    tokens_per_s=tokens_per_s, mfu=0.4, train_time_s=0.1 * i,
+                                    peak_mem_mib=900.0 + i)) + "\n")
+        for step, time_s, loss in evals:
+            f.write(json.dumps(dict(step=step, tokens=100 * step, val_loss=loss, train_time_s=time_s)) + "\n")
+    (run / "config.json").write_text(json.dumps({"args": {"model": "d12", "seed": seed, "learning_rate": lr,
+                                                          "run_name": name}}))
+    if summary:
+        (run / "summary.json").write_text(json.dumps(dict(tokens_per_s=tokens_per_s, mfu=0.4, peak_mem_mib=920.0,
+                                                          compile_s=12.0)))
+    return str(run)
+
+
+def test_crossing_is_interpolated_between_evaluations():
+    evals = [dict(val_loss=4.0, train_time_s=0.0, tokens=0), dict(val_loss=3.5, train_time_s=10.0, tokens=1000),
+             dict(val_loss=3.0, train_time_s=20.0, tokens=2000)]
+    time_s, tokens = compare_runs.crossing(evals, 3.3)
+    assert time_s == pytest.approx(14.0) and tokens == pytest.approx(1400)  # 3.5 -> 3.0 passes 3.3 at 40%
+    assert compare_runs.crossing(evals, 3.5) == (10.0, 1000)  # exactly on an evaluation
+    assert compare_runs.crossing(evals, 2.0) is None
+
+
+def test_table_groups_seeds_and_computes_speedup(tmp_path, capsys):
+    base = write_run(tmp_path, "base", [(0, 0.0, 4.0), (10, 10.0, 3.5), (20, 20.0, 3.0)])
+    fast_a = write_run(tmp_path, "fast_s0", [(0, 0.0, 4.0), (10, 5.0, 3.0)], lr=2e-3, tokens_per_s=2000.0)
+    fast_b = write_run(tmp_path, "fast_s1", [(0, 0.0, 4.0), (10, 5.0, 3.2)], lr=2e-3, seed=1, tokens_per_s=2200.0)
+    assert compare_runs.main([base, fast_a, fast_b, "--target", "3.3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header, base_row, fast_row = out[0], out[2], out[3]
+    assert "time to 3.3 (s)" in header and len(out) == 4  # the two seeds share one row
+    assert base_row.split()[0] == "base" and "14.0" in base_row and "1.00x" in base_row
+    # Seeds cross at 0 + (4-3.3)/(4-3.0)*5 = 3.5 s and (4-3.3)/(4-3.2)*5 = 4.375 s: mean 3.94, speed-up 14/3.94.
+    assert "fast_s0 (+1 seeds)" in fast_row and "3.9 ± 0.6" in fast_row and "3.56x" in fast_row
+    assert "2,100 ± 141" in fast_row and "12.0" in fast_row
+
+
+def test_unreached_target_and_unfinished_run(tmp_path, capsys):
+    run = write_run(tmp_path, "slow", [(0, 0.0, 4.0), (10, 10.0, 3.6)], summary=False)
+    assert compare_runs.main([run]) == 0
+    row = capsys.readouterr().out.splitlines()[2]
+    assert "[unfinished]" in row and "n/a" in row and "1,000" in row  # throughput from the logged steps
+
+
+def test_torn_last_line_is_ignored_but_a_corrupt_middle_is_an_error(tmp_path, capsys):
+    run = write_run(tmp_path, "r", [(0, 0.0, 4.0), (10, 10.0, 3.0)])
+    with open(f"{run}/metrics.jsonl", "a") as f:
+        f.write('{"step": 11, "tok')  # killed mid-write
+    assert compare_runs.main([run]) == 0
+    capsys.readouterr()
+    lines = open(f"{run}/metrics.jsonl").read().splitlines()
+    lines[3] = "garbage"
+    open(f"{run}/metrics.jsonl", "w").write("\n".join(lines) + "\n")
+    assert compare_runs.main([run]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("metrics.jsonl:4: not a JSON line; the file is corrupt")
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("no_dir", "no such run directory"),
+    ("no_metrics", "no metrics.jsonl"),
+    ("no_evals", "has no evaluation yet"),
+    ("bad_summary", "summary.json: not valid JSON"),
+])
+def test_missing_or_damaged_files_give_one_error_line(tmp_path, capsys, damage, message):
+    run = write_run(tmp_path, "r", [(0, 0.0, 4.0)])
+    if damage == "no_dir":
+        run = str(tmp_path / "nope")
+    elif damage == "no_metrics":
+        (tmp_path / "r" / "metrics.jsonl").unlink()
+    elif damage == "no_evals":
+        lines = [l for l in open(f"{run}/metrics.jsonl") if "val_loss" not in l]
+        open(f"{run}/metrics.jsonl", "w").write("".join(lines))
+    else:
+        (tmp_path / "r" / "summary.json").write_text("{")
+    assert compare_runs.main([run]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+def test_plot_is_written(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = write_run(tmp_path, "r", [(0, 0.0, 4.0), (10, 10.0, 3.0)])
+    assert compare_runs.main([run, "--plot", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reads_real_trainer_output(tmp_path, shards, capsys):
+    assert train_main(tiny_run_args(shards, tmp_path, "a")) == 0
+    assert train_main(tiny_run_args(shards, tmp_path, "b", "--seed", "1")) == 0
+    capsys.readouterr()
+    assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "b"), "--target", "100"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 and "a (+1 seeds)" in out[2] and "0.0 ± 0.0" in out[2]  # both cross at step 0
