@@ -216,9 +216,9 @@ class Rotary(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 (1, T, 1, rotary_dim/2) tables that broadcast over batch and heads."""
-        return self.cos[None, :T, None, :], self.sin[None, :T, None, :]
+    def forward(self, T: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 (1, T, 1, rotary_dim/2) tables for positions start..start+T-1, broadcast over batch and heads."""
+        return self.cos[None, start:start + T, None, :], self.sin[None, start:start + T, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -228,10 +228,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], dim=-1)
 
 
-def causal_mask(T: int, window: int, device) -> torch.Tensor:
-    """(T, T) boolean, True where query i may attend to key j: j <= i, and i - j < window if window."""
-    i = torch.arange(T, device=device)[:, None]
-    j = torch.arange(T, device=device)[None, :]
+def causal_mask(T: int, window: int, device, n_keys: int | None = None) -> torch.Tensor:
+    """(T, n_keys) boolean, True where query i may attend to key j: j <= i, and i - j < window if window.
+    With a KV cache the T queries are the last T of n_keys positions."""
+    n_keys = n_keys or T
+    i = torch.arange(n_keys - T, n_keys, device=device)[:, None]
+    j = torch.arange(n_keys, device=device)[None, :]
     allowed = j <= i
     return allowed & (i - j < window) if window else allowed
 
@@ -288,19 +290,44 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
 
 
+class KVCache:
+    """Keys and values of every position seen so far, per layer, for incremental decoding: each new
+    token then costs one position's worth of attention instead of re-running the whole prefix."""
+
+    def __init__(self, n_layer: int):
+        self.keys: list = [None] * n_layer
+        self.values: list = [None] * n_layer
+        self.length = 0  # positions already cached (the next token's position)
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append (B, n_kv_head, T_new, head_dim) keys/values; return all of this layer's so far."""
+        if self.keys[layer] is not None:
+            k, v = torch.cat([self.keys[layer], k], dim=2), torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+def cached_attention(q, k, v, layer: int, window: int, cache: KVCache) -> torch.Tensor:
+    """Attention of new queries over cached plus new keys (decoding); SDPA with an explicit mask,
+    since its is_causal flag aligns the mask to the top-left when there are more keys than queries."""
+    k, v = cache.extend(layer, k, v)
+    mask = causal_mask(q.size(-2), window, q.device, n_keys=k.size(-2))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.size(1) != q.size(1))
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head attention with grouped key/value heads (MHA when n_kv_head == n_head, MQA at 1)."""
 
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        self.config, self.window = config, config.layer_window(layer)
+        self.config, self.layer, self.window = config, layer, config.layer_window(layer)
         q_dim, kv_dim = config.n_embd, config.kv_heads * config.head_dim
         self.split = (q_dim, kv_dim, kv_dim)
         # One fused projection; for MHA this is NoCap's c_attn (n_embd -> 3 * n_embd) exactly.
         self.c_attn = nn.Linear(config.n_embd, q_dim + 2 * kv_dim, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, block_mask=None):
+    def forward(self, x, cos, sin, block_mask=None, cache: KVCache | None = None):
         B, T, C = x.shape
         c = self.config
         q, k, v = self.c_attn(x).split(self.split, dim=2)
@@ -311,8 +338,9 @@ class CausalSelfAttention(nn.Module):
         if cos is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(B, T, c.kv_heads, c.head_dim)
-        y = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), c.attn_impl, self.window,
-                             block_mask)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        y = (cached_attention(q, k, v, self.layer, self.window, cache) if cache is not None
+             else causal_attention(q, k, v, c.attn_impl, self.window, block_mask))
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -324,14 +352,14 @@ class LatentAttention(nn.Module):
 
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        self.config, self.window = config, config.layer_window(layer)
+        self.config, self.layer, self.window = config, layer, config.layer_window(layer)
         self.nope_dim = config.head_dim - config.mla_rope_dim
         self.c_q = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.c_kv_down = nn.Linear(config.n_embd, config.kv_lora_rank + config.mla_rope_dim, bias=False)
         self.c_kv_up = nn.Linear(config.kv_lora_rank, config.n_head * (self.nope_dim + config.head_dim), bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, block_mask=None):
+    def forward(self, x, cos, sin, block_mask=None, cache: KVCache | None = None):
         B, T, C = x.shape
         c = self.config
         q_nope, q_rope = self.c_q(x).view(B, T, c.n_head, c.head_dim).split((self.nope_dim, c.mla_rope_dim), dim=-1)
@@ -345,8 +373,9 @@ class LatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(B, T, c.n_head, c.mla_rope_dim)], dim=-1)
         if c.qk_norm:
             q, k = rms_norm(q, c.norm_eps), rms_norm(k, c.norm_eps)
-        y = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), c.attn_impl, self.window,
-                             block_mask)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        y = (cached_attention(q, k, v, self.layer, self.window, cache) if cache is not None
+             else causal_attention(q, k, v, c.attn_impl, self.window, block_mask))
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -445,9 +474,9 @@ class Block(nn.Module):
         # NoCap scales only the attention branch, to keep the residual stream's variance in check.
         self.attn_scale = 1 / math.sqrt(2 * config.n_layer)
 
-    def forward(self, x, cos, sin, block_mask=None):
+    def forward(self, x, cos, sin, block_mask=None, cache: KVCache | None = None):
         """Returns the new residual stream and, for an MoE block, its (aux loss, expert load)."""
-        x = x + self.attn_scale * self.attn(self.norm_attn(x), cos, sin, block_mask)
+        x = x + self.attn_scale * self.attn(self.norm_attn(x), cos, sin, block_mask, cache)
         if isinstance(self.mlp, MoE):
             y, aux, load = self.mlp(self.norm_mlp(x))
             return x + y, (aux, load)
@@ -483,27 +512,31 @@ class GPT(nn.Module):
             logits = cap * torch.tanh(logits.float() / cap)
         return logits
 
-    def forward(self, idx, targets=None, return_logits=True):
+    def forward(self, idx, targets=None, return_logits=True, cache: KVCache | None = None):
         """idx, targets: (B, T) token ids. Returns (logits or None, loss or None, aux). The loss is the
         next-token cross-entropy in eval mode and the training objective (plus weighted MTP and MoE
-        terms) in training mode; `aux` holds the terms (detached) for logging, empty in eval mode."""
+        terms) in training mode; `aux` holds the terms (detached) for logging, empty in eval mode.
+        With a KV cache, idx continues the cached sequence (decoding)."""
         c = self.config
         B, T = idx.shape
-        if T > c.block_size:
-            raise ValueError(f"sequence of {T} tokens is longer than block_size {c.block_size}")
-        cos, sin = self.rotary(T) if self.rotary is not None else (None, None)
-        block_mask = flex_block_mask(T, c.window, idx.device) if c.attn_impl == "flex" else None
+        start = cache.length if cache is not None else 0
+        if start + T > c.block_size:
+            raise ValueError(f"sequence of {start + T} tokens is longer than block_size {c.block_size}")
+        cos, sin = self.rotary(T, start) if self.rotary is not None else (None, None)
+        block_mask = flex_block_mask(T, c.window, idx.device) if c.attn_impl == "flex" and cache is None else None
         x = self.transformer.wte(idx)  # (B, T, n_embd)
         if c.pos == "learned":
-            x = x + self.transformer.wpe(torch.arange(T, device=idx.device))
+            x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
         moe_terms = []
         for block in self.transformer.h:
             if c.activation_checkpointing and self.training:
                 x, moe = torch.utils.checkpoint.checkpoint(block, x, cos, sin, block_mask, use_reentrant=False)
             else:
-                x, moe = block(x, cos, sin, block_mask)
+                x, moe = block(x, cos, sin, block_mask, cache)
             if moe is not None:
                 moe_terms.append(moe)
+        if cache is not None:
+            cache.length += T
         h = self.norm_f(x)
         aux = {}
         if targets is None:
@@ -529,6 +562,36 @@ class GPT(nn.Module):
                 objective = objective + c.moe_aux_weight * moe_aux
             loss = objective
         return (logits if return_logits else None), loss, aux
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 use_cache: bool = True, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Continue idx (B, T) by max_new_tokens tokens. temperature 0 is greedy (argmax); otherwise
+        sample from softmax(logits / temperature), restricted to the top_k tokens if given. With
+        use_cache the prompt is run once and each new token attends to cached keys/values; without,
+        the whole sequence is re-run for every token (the reference the cache is tested against)."""
+        if idx.size(1) + max_new_tokens > self.config.block_size:
+            raise ValueError(f"prompt ({idx.size(1)}) + max_new_tokens ({max_new_tokens}) exceeds block_size "
+                             f"{self.config.block_size}")
+        was_training = self.training
+        self.eval()
+        cache = KVCache(self.config.n_layer) if use_cache else None
+        out, step_input = idx, idx
+        for _ in range(max_new_tokens):
+            logits, _, _ = self(step_input if use_cache else out, cache=cache)
+            logits = logits[:, -1, :].float()  # (B, vocab)
+            if temperature == 0:
+                next_token = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+            out = torch.cat([out, next_token], dim=1)
+            step_input = next_token
+        self.train(was_training)
+        return out
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied matrix counts once

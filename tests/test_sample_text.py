@@ -1,0 +1,73 @@
+"""Generation: the KV-cache path equals the full re-run for every attention kind, greedy decoding is
+deterministic, and scripts/sample.py prints text from a trained checkpoint."""
+
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import REPO, tiny_run_args
+from model_variants import TINY, with_overrides
+from train_gpt2 import GPT
+from train_gpt2 import main as train_main
+
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+@pytest.mark.parametrize("changes", [
+    {}, dict(n_kv_head=2), dict(n_kv_head=1), dict(kv_lora_rank=16, mla_rope_dim=8),
+    dict(window=5, window_pattern="LG"), dict(pos="learned"), dict(moe_experts=4, moe_topk=2),
+    dict(qk_norm=True, norm="rms_gain", logit_softcap=15.0), dict(attn_impl="flex", window=4),
+])
+def test_kv_cache_gives_the_same_tokens_as_rerunning_the_sequence(changes):
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=64, block_size=48, **changes))
+    prompt = torch.randint(0, 64, (2, 7))
+    greedy_cached = model.generate(prompt, 20, temperature=0)
+    assert torch.equal(greedy_cached, model.generate(prompt, 20, temperature=0, use_cache=False))
+    sampled = [model.generate(prompt, 20, temperature=1.0, top_k=10, use_cache=use_cache,
+                              generator=torch.Generator().manual_seed(3)) for use_cache in (True, False)]
+    assert torch.equal(*sampled)
+    assert torch.equal(greedy_cached[:, :7], prompt)
+
+
+def test_greedy_sample_of_a_trained_model_is_deterministic_and_learned(tmp_path, capsys):
+    # A sequence that repeats 0..15: after training, greedy decoding continues the cycle.
+    from conftest import make_shards
+    import numpy as np
+    from train_gpt2 import write_shard
+    data = tmp_path / "data"
+    make_shards(data)
+    cycle = np.tile(np.arange(16), 2000)
+    for name in ("syn_train_000001.bin", "syn_train_000002.bin", "syn_val_000000.bin"):
+        write_shard(str(data / name), cycle)
+    argv = tiny_run_args((str(data / "syn_train_*.bin"), str(data / "syn_val_*.bin")), tmp_path, "cyc",
+                         "--num_iterations", "60", "--learning_rate", "1e-2")
+    assert train_main(argv) == 0
+    ckpt = torch.load(next((tmp_path / "cyc").glob("ckpt_*.pt")), weights_only=True)
+    model = GPT(replace(TINY, **{k: v for k, v in ckpt["model_config"].items()}))
+    model.load_state_dict(ckpt["model"])
+    prompt = torch.tensor([[3, 4, 5, 6]])
+    first = model.generate(prompt, 12, temperature=0)
+    assert torch.equal(first, model.generate(prompt, 12, temperature=0))
+    assert first[0, 4:].tolist() == [(7 + i) % 16 for i in range(12)]
+
+
+def test_sample_script_prints_text(tmp_path, shards, capsys):
+    tiktoken = pytest.importorskip("tiktoken")
+    try:
+        tiktoken.get_encoding("gpt2")
+    except Exception as e:
+        pytest.skip(f"tiktoken's GPT-2 files are unavailable offline ({type(e).__name__})")
+    import sample
+    argv = tiny_run_args(shards, tmp_path, "run", "--vocab_size", "50257")
+    assert train_main(argv) == 0
+    ckpt = str(next((tmp_path / "run").glob("ckpt_*.pt")))
+    capsys.readouterr()
+    assert sample.main(["--checkpoint", ckpt, "--prompt", "Hello", "--max_new_tokens", "5", "--num_samples", "2",
+                        "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- sample") == 2 and out.splitlines()[1].startswith("Hello")
+    assert sample.main(["--checkpoint", ckpt, "--max_new_tokens", "5000", "--device", "cpu"]) == 2
+    assert "exceeds the model's block_size" in capsys.readouterr().err
