@@ -57,6 +57,16 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+def add_model_flags(parser: argparse.ArgumentParser):
+    """--model plus one override flag per GPTConfig field (shared by the trainer and the tools)."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", default="d12", help="a registered variant (see --list_models)")
+    for field in config_fields():
+        kind = _parse_bool if field.type is bool else field.type
+        g.add_argument(f"--{field.name}", type=kind, default=None,
+                       help=f"override the variant's {field.name} (GPTConfig default {field.default!r})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI. Defaults reproduce NoCap-Test's published baseline run (2.5B tokens, 4768 steps)."""
     p = argparse.ArgumentParser(
@@ -71,13 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--val_tokens", type=int, default=NOCAP_VAL_TOKENS,
                    help="validation tokens per evaluation; keep the default to compare with NoCap-Test")
 
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="d12", help="a registered variant (see --list_models)")
-    g.add_argument("--list_models", action="store_true", help="print the registered variants and exit")
-    for field in config_fields():
-        kind = _parse_bool if field.type is bool else field.type
-        g.add_argument(f"--{field.name}", type=kind, default=None,
-                       help=f"override the variant's {field.name} (GPTConfig default {field.default!r})")
+    add_model_flags(p)
+    p.add_argument("--list_models", action="store_true", help="print the registered variants and exit")
 
     g = p.add_argument_group("batch")
     g.add_argument("--batch_size", type=int, default=16,

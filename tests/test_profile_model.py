@@ -1,0 +1,52 @@
+"""scripts/profile_model.py: every part of the step is timed, the parts add up to the step, time lands
+on the part that spends it, and the trace file is a Chrome trace."""
+
+import json
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import profile_model  # noqa: E402
+
+
+def args_for(*extra):
+    return profile_model.build_parser().parse_args(
+        ["--model", "tiny", "--vocab_size", "256", "--batch_size", "4", "--sequence_length", "32", "--steps", "2",
+         "--warmup", "1", "--device", "cpu", *extra])
+
+
+def test_parts_cover_the_step(tmp_path):
+    part_ms, step_ms = profile_model.profile(args_for("--trace", str(tmp_path / "t.json")))
+    assert set(part_ms) == set(profile_model.PARTS)
+    assert all(ms >= 0 for ms in part_ms.values())
+    for part in ("embedding", "attention projections", "attention core", "MLP / MoE", "norms", "head + loss",
+                 "optimizer", "data loading"):
+        assert part_ms[part] > 0, part
+    assert sum(part_ms.values()) <= step_ms * 1.05
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert trace["traceEvents"]
+
+
+def test_time_lands_on_the_part_that_spends_it():
+    small, _ = profile_model.profile(args_for("--mlp_ratio", "1"))
+    big, _ = profile_model.profile(args_for("--mlp_ratio", "32"))
+    assert big["MLP / MoE"] > 3 * small["MLP / MoE"]
+    assert big["attention core"] < 3 * small["attention core"]
+
+
+def test_real_shards_and_the_printed_table(tmp_path, shards, capsys):
+    assert profile_model.main(["--model", "tiny", "--vocab_size", "256", "--batch_size", "2", "--sequence_length",
+                               "16", "--steps", "1", "--warmup", "0", "--device", "cpu",
+                               "--input_bin", shards[0]]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("tiny: 2x16 tokens") and out[-1].startswith("step")
+    assert {line[:24].strip() for line in out[2:-2]} == set(profile_model.PARTS)
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    assert profile_model.main(["--model", "tiny", "--device", "cpu", "--input_bin", str(tmp_path / "no*.bin")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--input_bin: no files match" in err[0]
