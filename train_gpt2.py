@@ -919,6 +919,14 @@ def load_checkpoint(path: str, expected: dict) -> dict:
     return ckpt
 
 
+def model_from_checkpoint(path: str, device: torch.device) -> tuple[GPT, dict]:
+    """The model a checkpoint holds (any variant: its config travels with it), and the checkpoint."""
+    ckpt = load_checkpoint(path, expected={})
+    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    return model.to(device), ckpt
+
+
 class RunLog:
     """metrics.jsonl, config.json, summary.json and the printed log of the process with rank 0.
     Other ranks get a RunLog that writes nothing, so call sites need no rank checks."""
@@ -994,15 +1002,20 @@ def setup_distributed(device_flag: str) -> Distributed:
     """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a plain `python train_gpt2.py` is one process."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = device_flag == "cuda" or (device_flag == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        raise InputError("--device cuda: no CUDA GPU is visible; use --device cpu")
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if use_cuda:
+    device = pick_device(device_flag, local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return Distributed(rank, local_rank, world_size, device)
+
+
+def pick_device(flag: str, index: int = 0) -> torch.device:
+    """--device auto|cuda|cpu: auto takes the GPU when there is one."""
+    use_cuda = flag == "cuda" or (flag == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise InputError("--device cuda: no CUDA GPU is visible; use --device cpu")
+    return torch.device(f"cuda:{index}" if use_cuda else "cpu")
 
 
 def train_step(model, optimizer, loader: TokenLoader, accumulation: int, lr: float, autocast_ctx,

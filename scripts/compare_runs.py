@@ -136,7 +136,7 @@ def fmt(value, std=None, spec=".4f", missing=0) -> str:
 
 
 def comparison_table(groups: list[list[dict]], target: float) -> str:
-    columns = ["run", "n", "final val", f"time to {target} (s)", "tokens to target", "tokens/s", "MFU %",
+    columns = ["run", "n", "final val", f"time to {target:.6g} (s)", "tokens to target", "tokens/s", "MFU %",
                "peak MiB", "compile s", "speed-up"]
     rows, baseline_time = [], None
     for group in groups:
@@ -147,7 +147,7 @@ def comparison_table(groups: list[list[dict]], target: float) -> str:
             label += " [unfinished]"
         time_mean = col["time_to_target"][0]
         if baseline_time is None:
-            baseline_time = time_mean if time_mean else math.nan
+            baseline_time = time_mean if time_mean else math.nan  # a target reached at step 0 times nothing
         speedup = baseline_time / time_mean if time_mean and not math.isnan(baseline_time) else None
         rows.append([label, str(len(group)), fmt(*col["final_val_loss"][:2]),
                      fmt(*col["time_to_target"][:2], spec=".1f", missing=col["time_to_target"][2]),
@@ -186,17 +186,23 @@ def plot(runs: list[dict], target: float, path: str):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_dirs", nargs="+", help="run directories written by train_gpt2.py")
-    p.add_argument("--target", type=float, default=3.3821, help="val loss whose crossing is timed")
+    p.add_argument("--target", default="3.3821",
+                   help="val loss whose crossing is timed, or 'first': the first run's final val loss (the P40 "
+                        "headline: time to reach the reference run's final loss)")
     p.add_argument("--plot", default=None, help="also draw val loss vs time and vs tokens into this PNG")
     args = p.parse_args(argv)
     try:
         runs = [load_run(d) for d in args.run_dirs]
+        target = runs[0]["evals"][-1]["val_loss"] if args.target == "first" else float(args.target)
     except LogError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(comparison_table(group_runs(runs), args.target))
+    except ValueError:
+        print(f"error: --target {args.target!r}: expected a number or 'first'", file=sys.stderr)
+        return 2
+    print(comparison_table(group_runs(runs), target))
     if args.plot:
-        plot(runs, args.target, args.plot)
+        plot(runs, target, args.plot)
         print(f"plot: {args.plot}")
     return 0
 

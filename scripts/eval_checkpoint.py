@@ -10,10 +10,8 @@ import argparse
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import GPT, GPTConfig, ValidationSet, evaluate, load_checkpoint, report_input_errors  # noqa: E402
+from train_gpt2 import ValidationSet, evaluate, model_from_checkpoint, pick_device, report_input_errors  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -25,17 +23,14 @@ def main(argv=None) -> int:
     p.add_argument("--sequence_length", type=int, default=None, help="default: the checkpoint's training length")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     args = p.parse_args(argv)
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if use_cuda else "cpu")
 
     def score() -> int:
-        ckpt = load_checkpoint(args.checkpoint, expected={})
-        model = GPT(GPTConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
+        device = pick_device(args.device)
+        model, ckpt = model_from_checkpoint(args.checkpoint, device)
         T = args.sequence_length or ckpt["sequence_length"]
         val = ValidationSet(args.val_bin, args.val_tokens, args.val_batch_size, T, rank=0, world_size=1,
                             vocab_size=model.config.vocab_size, device=device)
-        print(f"val_loss: {evaluate(model.to(device), val, world_size=1):.6f}")
+        print(f"val_loss: {evaluate(model, val, world_size=1):.6f}")
         return 0
 
     return report_input_errors(score)

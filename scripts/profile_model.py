@@ -22,7 +22,8 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from train_gpt2 import (GPT, MLP, Block, CausalSelfAttention, InputError, LatentAttention, MoE, Norm,  # noqa: E402
-                        TokenLoader, add_model_flags, report_input_errors, resolve_model_config, synchronize)
+                        TokenLoader, add_model_flags, pick_device, report_input_errors, resolve_model_config,
+                        synchronize)
 
 PARTS = ("embedding", "attention projections", "attention core", "MLP / MoE", "norms", "head + loss",
          "residual adds & other", "optimizer", "data loading")
@@ -85,8 +86,8 @@ class PartTimer:
 
 def profile(args) -> tuple[dict[str, float], float]:
     """Per-part milliseconds per step and the measured step time, over args.steps steps after warm-up."""
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if use_cuda else "cpu")
+    device = pick_device(args.device)
+    use_cuda = device.type == "cuda"
     config = resolve_model_config(args)
     torch.manual_seed(0)
     model = GPT(config).to(device)
@@ -147,8 +148,9 @@ def format_table(title: str, part_ms: dict[str, float], step_ms: float) -> str:
     other = step_ms - sum(part_ms.values())
     # Autograd work no module hook spans: the loss's and the embedding's backward (their module inputs
     # need no gradient, so their backward hooks fire before that work), plus the engine's own overhead.
-    lines.append(f"{'loss/embedding backward, autograd (unattributed)':<24}{other:>10.2f}{100 * other / step_ms:>7.1f}")
+    lines.append(f"{'unattributed backward*':<24}{other:>10.2f}{100 * other / step_ms:>7.1f}")
     lines.append(f"{'step':<24}{step_ms:>10.2f}{100.0:>7.1f}")
+    lines.append("* the loss's and the embedding's backward and autograd's own work, which no module hook spans")
     return "\n".join(lines)
 
 
@@ -173,9 +175,9 @@ def main(argv=None) -> int:
         if args.steps < 1 or args.warmup < 0:
             raise InputError("--steps must be >= 1 and --warmup >= 0")
         part_ms, step_ms = profile(args)
-        device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
         print(format_table(f"{args.model}: {args.batch_size}x{args.sequence_length} tokens x "
-                           f"{args.grad_accumulation_steps} micro-batches, {device}, eager", part_ms, step_ms))
+                           f"{args.grad_accumulation_steps} micro-batches, {pick_device(args.device).type}, eager",
+                           part_ms, step_ms))
         if args.trace:
             print(f"trace: {args.trace}")
         return 0

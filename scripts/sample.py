@@ -13,7 +13,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import GPT, GPTConfig, InputError, load_checkpoint, report_input_errors  # noqa: E402
+from train_gpt2 import InputError, model_from_checkpoint, pick_device, report_input_errors  # noqa: E402
 
 EOT = 50256
 
@@ -30,15 +30,11 @@ def main(argv=None) -> int:
     p.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True, help="use the KV cache")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     args = p.parse_args(argv)
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if use_cuda else "cpu")
 
     def sample() -> int:
         import tiktoken
-        ckpt = load_checkpoint(args.checkpoint, expected={})
-        model = GPT(GPTConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
-        model.to(device)
+        device = pick_device(args.device)
+        model, _ = model_from_checkpoint(args.checkpoint, device)
         encoder = tiktoken.get_encoding("gpt2")
         prompt = [EOT] + encoder.encode_ordinary(args.prompt)
         if max(prompt) >= model.config.vocab_size:

@@ -111,3 +111,13 @@ def test_reads_real_trainer_output(tmp_path, shards, capsys):
     assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "b"), "--target", "100"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 3 and "a (+1 seeds)" in out[2] and "0.0 ± 0.0" in out[2]  # both cross at step 0
+
+
+def test_target_first_is_the_first_runs_final_loss(tmp_path, capsys):
+    ref = write_run(tmp_path, "ref", [(0, 0.0, 4.0), (10, 10.0, 3.5)])
+    fast = write_run(tmp_path, "fast", [(0, 0.0, 4.0), (10, 4.0, 3.0)], lr=2e-3)
+    assert compare_runs.main([ref, fast, "--target", "first"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "time to 3.5 (s)" in out[0] and "2.0" in out[3] and "5.00x" in out[3]  # 4 s * 0.5/1.0 = 2 s
+    assert compare_runs.main([ref, "--target", "low"]) == 2
+    assert "expected a number or 'first'" in capsys.readouterr().err

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Train two or more models one after the other with the same data order, schedule and evaluation (the
+# NoCap baseline flags unless overridden), then compare them with scripts/compare_runs.py and a plot.
+#   bash scripts/compare.sh MODEL_A MODEL_B [MODEL ...] [-- extra train_gpt2.py flags]
+# e.g.  bash scripts/compare.sh d12 d12_gqa -- --num_iterations 1000 --warmdown_iters 256
+# Data: FineWeb shards in data/fineweb10B (bash scripts/setup.sh), or --input_bin/--input_val_bin.
+# Output: logs/compare-<time>-<model>/ per run, the table on stdout, logs/compare-<time>.png.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+models=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do models+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+if [ ${#models[@]} -lt 2 ]; then
+  echo "usage: bash scripts/compare.sh MODEL_A MODEL_B [MODEL ...] [-- extra train_gpt2.py flags]" >&2
+  exit 2
+fi
+output_dir=${OUTPUT_DIR:-logs}
+stamp=$(date +%Y%m%d-%H%M%S)
+runs=()
+for model in "${models[@]}"; do
+  torchrun --standalone --nproc_per_node="${NPROC:-1}" train_gpt2.py --model "$model" \
+    --output_dir "$output_dir" --run_name "compare-$stamp-$model" "$@"
+  runs+=("$output_dir/compare-$stamp-$model")
+done
+python3 scripts/compare_runs.py "${runs[@]}" --plot "$output_dir/compare-$stamp.png"

@@ -1,0 +1,61 @@
+"""The shell entry points run end to end on CPU with tiny settings: compare.sh and ablate.sh train every
+model given with identical flags and print the comparison; bad usage exits 2."""
+
+import subprocess
+
+import numpy as np
+import pytest
+
+from conftest import REPO, make_shards
+from train_gpt2 import write_shard
+
+TINY_FLAGS = ["--vocab_size", "256", "--device", "cpu", "--batch_size", "2", "--sequence_length", "32",
+              "--grad_accumulation_steps", "1", "--num_iterations", "4", "--warmup_iters", "1",
+              "--warmdown_iters", "1", "--val_loss_every", "2", "--val_batch_size", "2", "--val_tokens", "256",
+              "--target_val_loss", "0"]
+
+
+def table_rows(stdout: str) -> list[str]:
+    """The rows of compare_runs' table at the end of a script's output."""
+    lines = stdout.splitlines()
+    header = max(i for i, line in enumerate(lines) if line.startswith("run ") and "final val" in line)
+    return [line for line in lines[header + 2:] if line and not line.startswith("plot:")]
+
+
+def bash(*args, env_extra=None, cwd=REPO):
+    import os
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    return subprocess.run(["bash", *args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
+
+
+def test_compare_sh_trains_each_model_and_compares(tmp_path):
+    train_glob, val_glob = make_shards(tmp_path / "data")
+    result = bash("scripts/compare.sh", "tiny", "d12", "--", *TINY_FLAGS, "--n_layer", "1", "--n_embd", "32",
+                  "--n_head", "2", "--input_bin", train_glob, "--input_val_bin", val_glob,
+                  env_extra={"OUTPUT_DIR": str(tmp_path / "logs")})
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = table_rows(result.stdout)
+    assert len(rows) == 2 and rows[0].startswith("compare-") and rows[0].split()[0].endswith("-tiny")
+    assert rows[1].split()[0].endswith("-d12")
+    assert list((tmp_path / "logs").glob("compare-*.png"))
+
+
+def test_ablate_sh_runs_the_p40_protocol_for_each_model(tmp_path):
+    data = tmp_path / "p40"
+    data.mkdir()
+    cycle = np.tile(np.arange(16), 2000)  # learnable, so the loss falls and the reference target is reached
+    for name in ("mix_val_000000.bin", "mix_train_000001.bin", "mix_train_000002.bin"):
+        write_shard(str(data / name), cycle)
+    result = bash("scripts/ablate.sh", str(data), "tiny", "d12_mqa", "--", *TINY_FLAGS, "--n_layer", "1",
+                  "--n_embd", "32", "--n_head", "2", "--num_iterations", "8", "--learning_rate", "1e-2",
+                  env_extra={"OUTPUT_DIR": str(tmp_path / "logs")})
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = table_rows(result.stdout)
+    assert [row.split()[0] for row in rows] == ["tiny", "d12_mqa"]
+    assert "1.00x" in rows[0]  # the first run reaches its own final loss: the reference
+
+
+@pytest.mark.parametrize("script, args", [("scripts/compare.sh", ["d12"]), ("scripts/ablate.sh", ["/nonexistent"])])
+def test_bad_usage_exits_2(script, args):
+    result = bash(script, *args)
+    assert result.returncode == 2 and "usage:" in result.stderr
