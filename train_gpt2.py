@@ -243,6 +243,9 @@ def causal_mask(T: int, window: int, device, n_keys: int | None = None) -> torch
     return allowed & (i - j < window) if window else allowed
 
 
+_flex_masks: dict = {}
+
+
 @torch.compiler.disable
 def flex_block_mask(T: int, window: int, device: torch.device):
     """FlexAttention's block-sparse mask for causal (windowed) attention; built eagerly, outside any
@@ -255,9 +258,6 @@ def flex_block_mask(T: int, window: int, device: torch.device):
             return (kv <= q) & (q - kv < window) if window else kv <= q
         _flex_masks[key] = create_block_mask(mask_mod, None, None, T, T, device=device)
     return _flex_masks[key]
-
-
-_flex_masks: dict = {}
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, window: int = 0,
@@ -332,7 +332,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, q_dim + 2 * kv_dim, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, block_mask=None, cache: KVCache | None = None):
+    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None):
         B, T, C = x.shape
         c = self.config
         q, k, v = self.c_attn(x).split(self.split, dim=2)
@@ -345,7 +345,7 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, c.kv_heads, c.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         y = (cached_attention(q, k, v, self.layer, self.window, cache) if cache is not None
-             else causal_attention(q, k, v, c.attn_impl, self.window, block_mask))
+             else causal_attention(q, k, v, c.attn_impl, self.window, block_masks and block_masks[self.window]))
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -364,7 +364,7 @@ class LatentAttention(nn.Module):
         self.c_kv_up = nn.Linear(config.kv_lora_rank, config.n_head * (self.nope_dim + config.head_dim), bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, block_mask=None, cache: KVCache | None = None):
+    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None):
         B, T, C = x.shape
         c = self.config
         q_nope, q_rope = self.c_q(x).view(B, T, c.n_head, c.head_dim).split((self.nope_dim, c.mla_rope_dim), dim=-1)
@@ -380,7 +380,7 @@ class LatentAttention(nn.Module):
             q, k = rms_norm(q, c.norm_eps), rms_norm(k, c.norm_eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         y = (cached_attention(q, k, v, self.layer, self.window, cache) if cache is not None
-             else causal_attention(q, k, v, c.attn_impl, self.window, block_mask))
+             else causal_attention(q, k, v, c.attn_impl, self.window, block_masks and block_masks[self.window]))
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -479,9 +479,10 @@ class Block(nn.Module):
         # NoCap scales only the attention branch, to keep the residual stream's variance in check.
         self.attn_scale = 1 / math.sqrt(2 * config.n_layer)
 
-    def forward(self, x, cos, sin, block_mask=None, cache: KVCache | None = None):
-        """Returns the new residual stream and, for an MoE block, its (aux loss, expert load)."""
-        x = x + self.attn_scale * self.attn(self.norm_attn(x), cos, sin, block_mask, cache)
+    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None):
+        """Returns the new residual stream and, for an MoE block, its (aux loss, expert load).
+        block_masks maps each attention window in use to its FlexAttention mask (flex only)."""
+        x = x + self.attn_scale * self.attn(self.norm_attn(x), cos, sin, block_masks, cache)
         if isinstance(self.mlp, MoE):
             y, aux, load = self.mlp(self.norm_mlp(x))
             return x + y, (aux, load)
@@ -528,16 +529,18 @@ class GPT(nn.Module):
         if start + T > c.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size {c.block_size}")
         cos, sin = self.rotary(T, start) if self.rotary is not None else (None, None)
-        block_mask = flex_block_mask(T, c.window, idx.device) if c.attn_impl == "flex" and cache is None else None
+        block_masks = None
+        if c.attn_impl == "flex" and cache is None:  # one mask per distinct window (local and global layers)
+            block_masks = {w: flex_block_mask(T, w, idx.device) for w in {c.layer_window(i) for i in range(c.n_layer)}}
         x = self.transformer.wte(idx)  # (B, T, n_embd)
         if c.pos == "learned":
             x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
         moe_terms = []
         for block in self.transformer.h:
             if c.activation_checkpointing and self.training:
-                x, moe = torch.utils.checkpoint.checkpoint(block, x, cos, sin, block_mask, use_reentrant=False)
+                x, moe = torch.utils.checkpoint.checkpoint(block, x, cos, sin, block_masks, use_reentrant=False)
             else:
-                x, moe = block(x, cos, sin, block_mask, cache)
+                x, moe = block(x, cos, sin, block_masks, cache)
             if moe is not None:
                 moe_terms.append(moe)
         if cache is not None:

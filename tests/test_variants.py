@@ -108,7 +108,13 @@ def test_hybrid_local_global_model_equals_manual(impl):
     model, manual = GPT(config), GPT(with_overrides(config, attn_impl="manual"))
     manual.load_state_dict(model.state_dict())
     idx = torch.randint(0, 64, (2, 20))
-    torch.testing.assert_close(model.eval()(idx, idx)[1], manual.eval()(idx, idx)[1], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # on CPU FlexAttention runs only without autograd; this exercises its real path
+        torch.testing.assert_close(model(idx, idx)[1], manual(idx, idx)[1], rtol=1e-5, atol=1e-5)
+    # The global layer really is global: the all-local model with the same weights differs.
+    all_local = GPT(with_overrides(config, window_pattern="L"))
+    all_local.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(model(idx, idx)[1], all_local(idx, idx)[1])
 
 
 def test_window_restricts_attention_to_recent_tokens():
