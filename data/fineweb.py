@@ -38,9 +38,15 @@ def cached_shard_names(n_train: int) -> list[str]:
 
 
 def hf_fetch(name: str, dest_dir: str) -> str:
-    """Download one file of the cached dataset into dest_dir; return its path."""
+    """Download one file of the cached dataset into dest_dir; return its path. Any failure of the
+    transport (no network, hub errors, a full disk) is reported as one line naming the file."""
     from huggingface_hub import hf_hub_download
-    return hf_hub_download(repo_id=CACHED_REPO, filename=name, repo_type="dataset", local_dir=dest_dir)
+    try:
+        return hf_hub_download(repo_id=CACHED_REPO, filename=name, repo_type="dataset", local_dir=dest_dir)
+    except Exception as e:  # noqa: BLE001 — reported, not hidden: the message carries the cause
+        cause = (str(e).strip().splitlines() or [""])[0]
+        raise InputError(f"{name}: download from {CACHED_REPO} failed ({type(e).__name__}: {cause}); check the "
+                         "network (or HF_ENDPOINT) and run again — complete shards are kept") from None
 
 
 def is_complete_shard(path: str) -> bool:

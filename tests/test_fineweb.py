@@ -141,3 +141,17 @@ def test_cli_reports_errors_in_one_line(tmp_path, capsys):
                          "--output_dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --input: no files match")
+
+
+def test_a_failed_transfer_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import huggingface_hub
+
+    def offline(**kwargs):
+        raise OSError("Connection refused\nmore detail")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    assert fineweb.main(["-n", "1", "--output_dir", str(tmp_path / "fw")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: fineweb_val_000000.bin: download from kjj0/fineweb10B-gpt2 failed (OSError: "
+                       "Connection refused); check the network (or HF_ENDPOINT) and run again — complete shards "
+                       "are kept")
+    assert list((tmp_path / "fw").iterdir()) == []  # the scratch folder is gone too
