@@ -96,7 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("optimization")
     g.add_argument("--num_iterations", type=int, default=4768, help="optimizer steps at most")
+    g.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="adamw: NoCap's, on every parameter; muon: torch.optim.Muon on the blocks' weight "
+                        "matrices, AdamW (--learning_rate) on embeddings, head and the rest")
     g.add_argument("--learning_rate", type=float, default=0.0018, help="peak AdamW learning rate")
+    g.add_argument("--muon_lr", type=float, default=0.02, help="peak Muon learning rate (--optimizer muon)")
+    g.add_argument("--muon_momentum", type=float, default=0.95, help="Muon momentum (--optimizer muon)")
+    g.add_argument("--lr_floor", type=float, default=0.0,
+                   help="the warmdown ends at this fraction of the peak learning rate (NoCap: 0)")
     g.add_argument("--warmup_iters", type=int, default=256, help="linear warmup steps")
     g.add_argument("--warmdown_iters", type=int, default=1024, help="linear decay-to-zero steps at the end")
     g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay (all parameters)")
@@ -164,6 +171,8 @@ def check_run_flags(args):
     for name in positive:
         if getattr(args, name) < 1:
             raise InputError(f"--{name} {getattr(args, name)} must be >= 1")
+    if not 0 <= args.lr_floor <= 1:
+        raise InputError(f"--lr_floor {args.lr_floor} must be a fraction of the peak, between 0 and 1")
     for name in ("warmup_iters", "warmdown_iters", "val_loss_every", "save_every"):
         if getattr(args, name) < 0:
             raise InputError(f"--{name} {getattr(args, name)} must be >= 0")
@@ -793,19 +802,71 @@ def evaluate(model: nn.Module, val: ValidationSet, world_size: int) -> float:
 # Optimizer & schedule
 # =============================================================================
 
-def make_optimizer(model: GPT, args, device: torch.device) -> torch.optim.Optimizer:
-    # NoCap: one AdamW group over every parameter, weight decay included on embeddings.
-    return torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.95),
-                             weight_decay=args.weight_decay, fused=device.type == "cuda")
+class Optimizers:
+    """Several optimizers stepped, scheduled and checkpointed as one (Muon for the hidden matrices
+    beside AdamW for the rest). Each group's peak learning rate is kept as group["peak_lr"]."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+        for group in self.param_groups:
+            group["peak_lr"] = group["lr"]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def set_lr_scale(self, scale: float):
+        for group in self.param_groups:
+            group["lr"] = group["peak_lr"] * scale
+
+    def step(self):
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict):
+        for opt, opt_state in zip(self.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(opt_state)
 
 
-def lr_at(step: int, args) -> float:
-    """NoCap's schedule: linear warmup, constant, linear warmdown to zero at num_iterations."""
+def muon_params(model: GPT) -> list[nn.Parameter]:
+    """The hidden weight matrices Muon orthogonalizes: every Linear inside the blocks (attention, MLP,
+    the MTP projections) but the MoE router. Embeddings, the head, gains and 3-D expert stacks stay
+    with AdamW, as in the modded-nanogpt recipes."""
+    hidden = [m.weight for m in model.transformer.h.modules() if isinstance(m, nn.Linear)]
+    hidden += [m.weight for m in model.mtp_proj]
+    routers = {id(m.router.weight) for m in model.modules() if isinstance(m, MoE)}
+    return [p for p in hidden if id(p) not in routers]
+
+
+def make_optimizer(model: GPT, args, device: torch.device) -> Optimizers:
+    adamw = dict(betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
+    if args.optimizer == "adamw":
+        # NoCap: one AdamW group over every parameter, weight decay included on embeddings.
+        return Optimizers([torch.optim.AdamW(model.parameters(), lr=args.learning_rate, **adamw)])
+    hidden = muon_params(model)
+    hidden_ids = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if id(p) not in hidden_ids]
+    return Optimizers([
+        torch.optim.Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.weight_decay),
+        torch.optim.AdamW(rest, lr=args.learning_rate, **adamw),
+    ])
+
+
+def lr_scale(step: int, args) -> float:
+    """NoCap's schedule as a multiplier of each group's peak: linear warmup, constant, then a linear
+    warmdown over the last warmdown_iters steps to lr_floor (NoCap: 0) at num_iterations."""
     if step < args.warmup_iters:
-        return args.learning_rate * (step + 1) / args.warmup_iters
+        return (step + 1) / args.warmup_iters
     if step < args.num_iterations - args.warmdown_iters:
-        return args.learning_rate
-    return args.learning_rate * (args.num_iterations - step) / args.warmdown_iters
+        return 1.0
+    return args.lr_floor + (1 - args.lr_floor) * (args.num_iterations - step) / args.warmdown_iters
 
 
 # =============================================================================
@@ -1022,7 +1083,7 @@ def pick_device(flag: str, index: int = 0) -> torch.device:
     return torch.device(f"cuda:{index}" if use_cuda else "cpu")
 
 
-def train_step(model, optimizer, loader: TokenLoader, accumulation: int, lr: float, autocast_ctx,
+def train_step(model, optimizer: Optimizers, loader: TokenLoader, accumulation: int, lr_scale: float, autocast_ctx,
                world_size: int) -> tuple[torch.Tensor, dict]:
     """One optimizer step over `accumulation` micro-batches. Returns the mean next-token loss (a device
     tensor) and the mean of each auxiliary term the model reports (MTP losses, MoE balance and load)."""
@@ -1040,8 +1101,7 @@ def train_step(model, optimizer, loader: TokenLoader, accumulation: int, lr: flo
         step_loss += aux.pop("next_token_loss") / accumulation
         for name, value in aux.items():
             aux_means[name] = aux_means.get(name, 0) + value.float() / accumulation
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    optimizer.set_lr_scale(lr_scale)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if world_size > 1:
@@ -1065,7 +1125,7 @@ def warm_up_compile(model, raw_model, optimizer, loader, val, accumulation, args
     batches_drawn = loader.batches_drawn
     shard, position = loader.shard, loader.position
     for _ in range(3):
-        train_step(model, optimizer, loader, accumulation, args.learning_rate, autocast_ctx, env.world_size)
+        train_step(model, optimizer, loader, accumulation, 1.0, autocast_ctx, env.world_size)
     model.eval()
     with torch.no_grad():
         x, y = next(iter(val))
@@ -1242,10 +1302,11 @@ def train(args) -> int:
             if args.save_every and step > start_step and step % args.save_every == 0:
                 checkpoint(step, evaluated)
 
-            lr = lr_at(step, args)
+            scale = lr_scale(step, args)
+            lr = args.learning_rate * scale  # logged: the AdamW peak times the schedule
             synchronize(env.device)
             t0 = time.perf_counter()
-            step_loss, aux = train_step(model, optimizer, train_loader, accumulation, lr, autocast_ctx,
+            step_loss, aux = train_step(model, optimizer, train_loader, accumulation, scale, autocast_ctx,
                                         env.world_size)
             synchronize(env.device)
             step_s = time.perf_counter() - t0

@@ -23,14 +23,18 @@ SMALL_VOCAB = 256  # synthetic runs override vocab_size so the lm_head stays che
 
 
 def make_shards(directory: Path, n_train: int = 2, train_tokens: int = 20_000, val_tokens: int = 9_000,
-                vocab: int = SMALL_VOCAB, seed: int = 0) -> tuple[str, str]:
-    """Random token shards; returns (train glob, val glob)."""
+                vocab: int = SMALL_VOCAB, seed: int = 0, prefix: str = "syn", cyclic: bool = False) -> tuple[str, str]:
+    """Token shards, random or (cyclic) the learnable sequence 0, 1, ..., 15, 0, 1, ...;
+    returns (train glob, val glob)."""
     rng = np.random.default_rng(seed)
+
+    def tokens(n):
+        return np.arange(n) % 16 if cyclic else rng.integers(0, vocab, n)
     directory.mkdir(parents=True, exist_ok=True)
-    write_shard(str(directory / "syn_val_000000.bin"), rng.integers(0, vocab, val_tokens))
+    write_shard(str(directory / f"{prefix}_val_000000.bin"), tokens(val_tokens))
     for i in range(1, n_train + 1):
-        write_shard(str(directory / f"syn_train_{i:06d}.bin"), rng.integers(0, vocab, train_tokens))
-    return str(directory / "syn_train_*.bin"), str(directory / "syn_val_*.bin")
+        write_shard(str(directory / f"{prefix}_train_{i:06d}.bin"), tokens(train_tokens))
+    return str(directory / f"{prefix}_train_*.bin"), str(directory / f"{prefix}_val_*.bin")
 
 
 @pytest.fixture

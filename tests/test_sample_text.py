@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import REPO, tiny_run_args
+from conftest import REPO, make_shards, tiny_run_args
 from model_variants import TINY, with_overrides
 from train_gpt2 import GPT
 from train_gpt2 import main as train_main
@@ -34,15 +34,7 @@ def test_kv_cache_gives_the_same_tokens_as_rerunning_the_sequence(changes):
 
 def test_greedy_sample_of_a_trained_model_is_deterministic_and_learned(tmp_path, capsys):
     # A sequence that repeats 0..15: after training, greedy decoding continues the cycle.
-    from conftest import make_shards
-    import numpy as np
-    from train_gpt2 import write_shard
-    data = tmp_path / "data"
-    make_shards(data)
-    cycle = np.tile(np.arange(16), 2000)
-    for name in ("syn_train_000001.bin", "syn_train_000002.bin", "syn_val_000000.bin"):
-        write_shard(str(data / name), cycle)
-    argv = tiny_run_args((str(data / "syn_train_*.bin"), str(data / "syn_val_*.bin")), tmp_path, "cyc",
+    argv = tiny_run_args(make_shards(tmp_path / "data", cyclic=True), tmp_path, "cyc",
                          "--num_iterations", "60", "--learning_rate", "1e-2")
     assert train_main(argv) == 0
     ckpt = torch.load(next((tmp_path / "cyc").glob("ckpt_*.pt")), weights_only=True)

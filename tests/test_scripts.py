@@ -3,11 +3,9 @@ model given with identical flags and print the comparison; bad usage exits 2."""
 
 import subprocess
 
-import numpy as np
 import pytest
 
 from conftest import REPO, make_shards
-from train_gpt2 import write_shard
 
 TINY_FLAGS = ["--vocab_size", "256", "--device", "cpu", "--batch_size", "2", "--sequence_length", "32",
               "--grad_accumulation_steps", "1", "--num_iterations", "4", "--warmup_iters", "1",
@@ -42,10 +40,7 @@ def test_compare_sh_trains_each_model_and_compares(tmp_path):
 
 def test_ablate_sh_runs_the_p40_protocol_for_each_model(tmp_path):
     data = tmp_path / "p40"
-    data.mkdir()
-    cycle = np.tile(np.arange(16), 2000)  # learnable, so the loss falls and the reference target is reached
-    for name in ("mix_val_000000.bin", "mix_train_000001.bin", "mix_train_000002.bin"):
-        write_shard(str(data / name), cycle)
+    make_shards(data, prefix="mix", cyclic=True)  # learnable, so the loss falls and the reference target is reached
     result = bash("scripts/ablate.sh", str(data), "tiny", "d12_mqa", "--", *TINY_FLAGS, "--n_layer", "1",
                   "--n_embd", "32", "--n_head", "2", "--num_iterations", "8", "--learning_rate", "1e-2",
                   env_extra={"OUTPUT_DIR": str(tmp_path / "logs")})

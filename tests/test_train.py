@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, make_shards, read_metrics, tiny_run_args, train_losses
-from train_gpt2 import build_parser, format_summary, lr_at, main, peak_flops
+from train_gpt2 import build_parser, format_summary, lr_scale, main, peak_flops
 
 
 def run(capsys, shards, out, name="run", *extra):
@@ -74,11 +74,45 @@ def test_target_zero_disables_the_stop(tmp_path, shards, capsys):
 
 
 def test_lr_schedule_is_nocaps():
-    args = Namespace(learning_rate=1.0, warmup_iters=4, warmdown_iters=5, num_iterations=20)
-    lrs = [lr_at(s, args) for s in range(20)]
+    args = Namespace(warmup_iters=4, warmdown_iters=5, num_iterations=20, lr_floor=0.0)
+    lrs = [lr_scale(s, args) for s in range(20)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert lrs[4:15] == [1.0] * 11
     assert lrs[15:] == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
+
+
+def test_lr_floor_ends_the_warmdown_above_zero():
+    args = Namespace(warmup_iters=0, warmdown_iters=4, num_iterations=8, lr_floor=0.1)
+    assert [lr_scale(s, args) for s in range(8)] == pytest.approx([1, 1, 1, 1, 1, 0.775, 0.55, 0.325])
+    assert lr_scale(8, args) == pytest.approx(0.1)  # where the last step would land
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    from model_variants import TINY, with_overrides
+    from train_gpt2 import GPT, make_optimizer
+    model = GPT(with_overrides(TINY, vocab_size=64, norm="rms_gain", moe_experts=2, moe_topk=1, moe_layers="1",
+                               mtp_k=1))
+    args = build_parser().parse_args(["--optimizer", "muon", "--muon_lr", "0.05", "--learning_rate", "0.003"])
+    muon, adamw = make_optimizer(model, args, torch.device("cpu")).optimizers
+    muon_names = {n for n, p in model.named_parameters() if any(p is q for q in muon.param_groups[0]["params"])}
+    assert muon_names == {"transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.weight",
+                          "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight",
+                          "transformer.h.1.attn.c_attn.weight", "transformer.h.1.attn.c_proj.weight",
+                          "mtp_proj.0.weight"}
+    adamw_ids = {id(p) for p in adamw.param_groups[0]["params"]}
+    assert {id(p) for p in model.parameters()} == adamw_ids | {id(p) for p in muon.param_groups[0]["params"]}
+    assert id(model.lm_head.weight) in adamw_ids and id(model.transformer.h[1].mlp.router.weight) in adamw_ids
+    assert (muon.param_groups[0]["lr"], adamw.param_groups[0]["lr"]) == (0.05, 0.003)
+
+
+def test_muon_updates_are_orthogonalized():
+    from train_gpt2 import Optimizers
+    w = torch.nn.Parameter(torch.zeros(32, 64))
+    opt = Optimizers([torch.optim.Muon([w], lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False)])
+    w.grad = torch.randn(32, 64) @ torch.diag(torch.logspace(0, 3, 64))  # badly conditioned gradient
+    opt.step()
+    singular = torch.linalg.svdvals(w.detach())
+    assert singular.max() / singular.min() < 2.0  # Newton-Schulz flattens a 1000x spread of scales
 
 
 def test_logged_lr_follows_the_schedule(tmp_path, shards, capsys):
@@ -97,15 +131,18 @@ def test_total_batch_size_derives_accumulation(tmp_path, shards, capsys):
     assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")
 
 
-def test_resume_from_a_periodic_checkpoint_gives_the_uninterrupted_losses(tmp_path, shards, capsys, monkeypatch):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_from_a_periodic_checkpoint_gives_the_uninterrupted_losses(tmp_path, shards, capsys, monkeypatch,
+                                                                           optimizer):
     import train_gpt2
     monkeypatch.setattr(train_gpt2.os, "remove", lambda path: None)  # keep the step-4 checkpoint around
-    run(capsys, shards, tmp_path, "straight", "--num_iterations", "8", "--save_every", "4")
+    extra = ["--optimizer", optimizer, "--lr_floor", "0.1"]
+    run(capsys, shards, tmp_path, "straight", "--num_iterations", "8", "--save_every", "4", *extra)
     straight = train_losses(tmp_path / "straight")
     ckpt = tmp_path / "straight" / "ckpt_000004.pt"
     assert torch.load(ckpt, weights_only=True)["step"] == 4
 
-    code, _, _ = run(capsys, shards, tmp_path, "resumed", "--num_iterations", "8", "--resume", str(ckpt))
+    code, _, _ = run(capsys, shards, tmp_path, "resumed", "--num_iterations", "8", "--resume", str(ckpt), *extra)
     assert code == 0
     resumed = train_losses(tmp_path / "resumed")
     assert resumed.keys() == {5, 6, 7, 8}
@@ -318,3 +355,11 @@ def test_moe_and_mtp_terms_are_logged_beside_the_next_token_loss(tmp_path, shard
         assert {"mtp_loss_1", "mtp_loss_2"} <= r.keys()
     # The logged train loss is the next-token loss alone, so it is comparable across variants.
     assert all(r["train_loss"] < r["mtp_loss_2"] + 1.0 for r in train)
+
+
+def test_muon_run_learns(tmp_path, capsys):
+    cyclic = make_shards(tmp_path / "cyc", cyclic=True)
+    code, _, _ = run(capsys, cyclic, tmp_path, "muon", "--optimizer", "muon", "--num_iterations", "12")
+    assert code == 0
+    losses = train_losses(tmp_path / "muon")
+    assert losses[12] < losses[1] - 1.0
