@@ -53,6 +53,7 @@ class GPTConfig:
     pos: str = "rope"
     rope_base: float = 10000.0
     tie_embeddings: bool = True
+    zero_init_proj: bool = False  # start every residual branch's output projection at zero (blocks begin as identity)
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
 
     def __post_init__(self):

@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--learning_rate", type=float, default=0.0018, help="peak AdamW learning rate")
     g.add_argument("--muon_lr", type=float, default=0.02, help="peak Muon learning rate (--optimizer muon)")
     g.add_argument("--muon_momentum", type=float, default=0.95, help="Muon momentum (--optimizer muon)")
+    g.add_argument("--muon_momentum_warmup", type=int, default=0,
+                   help="raise Muon's momentum linearly from 0.85 to --muon_momentum over this many steps")
     g.add_argument("--lr_floor", type=float, default=0.0,
                    help="the warmdown ends at this fraction of the peak learning rate (NoCap: 0)")
     g.add_argument("--warmup_iters", type=int, default=256, help="linear warmup steps")
@@ -520,6 +522,11 @@ class GPT(nn.Module):
         self.mtp_proj = nn.ModuleList([nn.Linear(config.n_embd, config.n_embd, bias=False)
                                        for _ in range(config.mtp_k)])
         self.rotary = Rotary(config.rotary_dim, config.block_size, config.rope_base) if config.pos == "rope" else None
+        if config.zero_init_proj:
+            for block in self.transformer.h:
+                nn.init.zeros_(block.attn.c_proj.weight)
+                for w in ((block.mlp.w_out,) if isinstance(block.mlp, MoE) else (block.mlp.c_proj.weight,)):
+                    nn.init.zeros_(w)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(h)
@@ -819,6 +826,13 @@ class Optimizers:
         for group in self.param_groups:
             group["lr"] = group["peak_lr"] * scale
 
+    def set_momentum(self, momentum: float):
+        """Muon groups' momentum (AdamW's betas stay as they are)."""
+        for opt in self.optimizers:
+            if isinstance(opt, torch.optim.Muon):
+                for group in opt.param_groups:
+                    group["momentum"] = momentum
+
     def step(self):
         for opt in self.optimizers:
             opt.step()
@@ -857,6 +871,13 @@ def make_optimizer(model: GPT, args, device: torch.device) -> Optimizers:
         torch.optim.Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.weight_decay),
         torch.optim.AdamW(rest, lr=args.learning_rate, **adamw),
     ])
+
+
+def muon_momentum_at(step: int, args) -> float:
+    """Muon momentum: 0.85 rising linearly to --muon_momentum over --muon_momentum_warmup steps."""
+    if step >= args.muon_momentum_warmup:
+        return args.muon_momentum
+    return 0.85 + (args.muon_momentum - 0.85) * step / args.muon_momentum_warmup
 
 
 def lr_scale(step: int, args) -> float:
@@ -1304,6 +1325,8 @@ def train(args) -> int:
 
             scale = lr_scale(step, args)
             lr = args.learning_rate * scale  # logged: the AdamW peak times the schedule
+            if args.optimizer == "muon":
+                optimizer.set_momentum(muon_momentum_at(step, args))
             synchronize(env.device)
             t0 = time.perf_counter()
             step_loss, aux = train_step(model, optimizer, train_loader, accumulation, scale, autocast_ctx,
@@ -1349,6 +1372,10 @@ def train(args) -> int:
     log.print(format_summary(summary))
     log.close()
     if env.world_size > 1:
+        # Drop the DDP wrapper while the process group is still registered: if its reducer held the last
+        # reference, the group would be destroyed under the GIL while a gloo worker thread waits for the
+        # GIL to free a tensor — a teardown deadlock seen in ~1 of 5 two-process CPU runs.
+        del model
         dist.destroy_process_group()
     return 128 + stop.signum if status == "interrupted" else 0
 

@@ -363,3 +363,25 @@ def test_muon_run_learns(tmp_path, capsys):
     assert code == 0
     losses = train_losses(tmp_path / "muon")
     assert losses[12] < losses[1] - 1.0
+
+
+def test_muon_momentum_warms_up():
+    from train_gpt2 import muon_momentum_at
+    args = Namespace(muon_momentum=0.95, muon_momentum_warmup=4)
+    assert [muon_momentum_at(s, args) for s in range(6)] == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
+    assert muon_momentum_at(0, Namespace(muon_momentum=0.9, muon_momentum_warmup=0)) == 0.9
+
+
+def test_momentum_reaches_the_muon_optimizer(tmp_path, shards, capsys, monkeypatch):
+    import train_gpt2
+    seen = []
+    original = train_gpt2.Optimizers.step
+
+    def spy(self):
+        seen.append([g["momentum"] for opt in self.optimizers if isinstance(opt, torch.optim.Muon)
+                     for g in opt.param_groups][0])
+        original(self)
+    monkeypatch.setattr(train_gpt2.Optimizers, "step", spy)
+    run(capsys, shards, tmp_path, "m", "--optimizer", "muon", "--muon_momentum_warmup", "4", "--num_iterations", "6",
+        "--compile" if False else "--no-compile")
+    assert seen == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95])

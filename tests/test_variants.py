@@ -320,3 +320,16 @@ def test_grouped_mm_is_only_chosen_where_its_kernels_exist():
     assert grouped_mm_supported("cuda", torch.bfloat16) == hasattr(torch, "_grouped_mm")
     assert grouped_mm_supported("cpu", torch.float32) == hasattr(torch, "_grouped_mm")
     assert not grouped_mm_supported("cpu", torch.float64)
+
+
+def test_zero_init_projections_make_every_block_start_as_identity():
+    torch.manual_seed(0)
+    for changes in ({}, dict(moe_experts=2, moe_topk=1)):
+        model = GPT(with_overrides(TINY, vocab_size=64, zero_init_proj=True, **changes))
+        x = torch.randn(2, 8, 64)
+        cos, sin = model.rotary(8)
+        for block in model.transformer.h:
+            assert torch.equal(block(x, cos, sin)[0], x)
+        idx = torch.randint(0, 64, (2, 8))
+        model(idx, idx)[1].backward()  # the zeroed projections still get gradients, so they learn
+        assert model.transformer.h[0].attn.c_proj.weight.grad.abs().sum() > 0
