@@ -382,6 +382,5 @@ def test_momentum_reaches_the_muon_optimizer(tmp_path, shards, capsys, monkeypat
                      for g in opt.param_groups][0])
         original(self)
     monkeypatch.setattr(train_gpt2.Optimizers, "step", spy)
-    run(capsys, shards, tmp_path, "m", "--optimizer", "muon", "--muon_momentum_warmup", "4", "--num_iterations", "6",
-        "--compile" if False else "--no-compile")
+    run(capsys, shards, tmp_path, "m", "--optimizer", "muon", "--muon_momentum_warmup", "4", "--num_iterations", "6")
     assert seen == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
