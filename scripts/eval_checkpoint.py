@@ -21,6 +21,7 @@ def main(argv=None) -> int:
     p.add_argument("--val_tokens", type=int, default=1_048_576, help="tokens scored (a multiple of 16*1024)")
     p.add_argument("--val_batch_size", type=int, default=16)
     p.add_argument("--sequence_length", type=int, default=None, help="default: the checkpoint's training length")
+    p.add_argument("--val_dtype", choices=("fp32", "bf16"), default="fp32", help="fp32: NoCap's protocol")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     args = p.parse_args(argv)
 
@@ -30,7 +31,7 @@ def main(argv=None) -> int:
         T = args.sequence_length or ckpt["sequence_length"]
         val = ValidationSet(args.val_bin, args.val_tokens, args.val_batch_size, T, rank=0, world_size=1,
                             vocab_size=model.config.vocab_size, device=device)
-        print(f"val_loss: {evaluate(model, val, world_size=1):.6f}")
+        print(f"val_loss: {evaluate(model, val, world_size=1, dtype=args.val_dtype):.6f}")
         return 0
 
     return report_input_errors(score)

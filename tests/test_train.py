@@ -384,3 +384,11 @@ def test_momentum_reaches_the_muon_optimizer(tmp_path, shards, capsys, monkeypat
     monkeypatch.setattr(train_gpt2.Optimizers, "step", spy)
     run(capsys, shards, tmp_path, "m", "--optimizer", "muon", "--muon_momentum_warmup", "4", "--num_iterations", "6")
     assert seen == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
+
+
+def test_bf16_evaluation_is_close_to_fp32_but_not_the_same(tmp_path, shards, capsys):
+    run(capsys, shards, tmp_path, "fp32")
+    run(capsys, shards, tmp_path, "bf16", "--val_dtype", "bf16")
+    vals = lambda d: [r["val_loss"] for r in read_metrics(tmp_path / d) if "val_loss" in r]
+    assert train_losses(tmp_path / "fp32") == train_losses(tmp_path / "bf16")  # training untouched
+    assert vals("fp32") == pytest.approx(vals("bf16"), abs=0.05) and vals("fp32") != vals("bf16")
