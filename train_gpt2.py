@@ -117,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target_val_loss", type=float, default=NOCAP_TARGET_VAL_LOSS,
                    help="stop at the first evaluation at or below this (0 disables)")
     g.add_argument("--val_dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="fp32: NoCap's protocol; bf16: autocast as in training, several times faster (for "
-                        "sweeps; compare runs only at the same setting)")
+                   help="fp32: NoCap's protocol; bf16: autocast as in training, for sweeps (compare runs only "
+                        "at the same setting)")
 
     g = p.add_argument_group("run")
     g.add_argument("--output_dir", default="logs", help="runs are written to <output_dir>/<run_name>/")
@@ -799,7 +799,7 @@ def precision(device: torch.device, dtype: str):
 @torch.no_grad()
 def evaluate(model: nn.Module, val: ValidationSet, world_size: int, dtype: str = "fp32") -> float:
     """Mean next-token cross-entropy (nats) over the validation tokens. NoCap scores in fp32 (no
-    autocast); "bf16" scores under autocast like training, much faster, and is offered for sweeps."""
+    autocast); "bf16" scores under autocast like training, offered for sweeps."""
     was_training = model.training
     model.eval()
     total = None
