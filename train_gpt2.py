@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output_dir", default="logs", help="runs are written to <output_dir>/<run_name>/")
     g.add_argument("--run_name", default=None, help="default: <model>-<date>-<time>")
     g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    g.add_argument("--memory_cap_gib", type=float, default=None,
+                   help="let this process use at most this much GPU memory, e.g. 22 to check that a config fits "
+                        "a 24 GB card while running on a larger one")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on for CUDA, off for CPU)")
     g.add_argument("--coordinate_descent_tuning", action=argparse.BooleanOptionalAction, default=True,
@@ -1207,6 +1210,14 @@ def train(args) -> int:
     if config.attn_impl == "flash" and env.device.type == "cuda" and torch.cuda.get_device_capability(env.device) < (8, 0):
         raise InputError("--attn_impl flash: this GPU has no flash-attention kernel (it needs sm80+, Ampere or "
                          "newer); use --attn_impl sdpa")
+    if args.memory_cap_gib is not None:
+        if env.device.type != "cuda":
+            raise InputError("--memory_cap_gib limits GPU memory; drop it on CPU")
+        total = torch.cuda.get_device_properties(env.device).total_memory
+        if not 0 < args.memory_cap_gib * 2**30 <= total:
+            raise InputError(f"--memory_cap_gib {args.memory_cap_gib} must be between 0 and this GPU's "
+                             f"{total / 2**30:.1f} GiB")
+        torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / total, env.device)
     if T > config.block_size:
         raise InputError(f"--sequence_length {T} exceeds the model's block_size {config.block_size}; "
                          f"pass --block_size {T} (or more)")
@@ -1337,8 +1348,12 @@ def train(args) -> int:
                 optimizer.set_momentum(muon_momentum_at(step, args))
             synchronize(env.device)
             t0 = time.perf_counter()
-            step_loss, aux = train_step(model, optimizer, train_loader, accumulation, scale, autocast_ctx,
-                                        env.world_size)
+            try:
+                step_loss, aux = train_step(model, optimizer, train_loader, accumulation, scale, autocast_ctx,
+                                            env.world_size)
+            except torch.OutOfMemoryError:
+                raise InputError(f"out of GPU memory in step {step + 1} ({B}x{T} tokens per micro-batch); halve "
+                                 "--batch_size and double --grad_accumulation_steps (same tokens per step)") from None
             synchronize(env.device)
             step_s = time.perf_counter() - t0
             train_time_s += step_s

@@ -242,6 +242,7 @@ def test_unknown_model_suggests_close_names(tmp_path, shards, capsys):
     (["--warmdown_iters", "99"], "exceeds --num_iterations"),
     (["--sequence_length", "2048"], "pass --block_size 2048"),
     (["--resume", "/nonexistent.pt"], "no such checkpoint"),
+    (["--memory_cap_gib", "22"], "--memory_cap_gib limits GPU memory; drop it on CPU"),
 ])
 def test_bad_flags_give_one_clear_line(tmp_path, shards, capsys, extra, message):
     assert message in _error(capsys, tiny_run_args(shards, tmp_path, "run", *extra))
@@ -392,3 +393,14 @@ def test_bf16_evaluation_is_close_to_fp32_but_not_the_same(tmp_path, shards, cap
     vals = lambda d: [r["val_loss"] for r in read_metrics(tmp_path / d) if "val_loss" in r]
     assert train_losses(tmp_path / "fp32") == train_losses(tmp_path / "bf16")  # training untouched
     assert vals("fp32") == pytest.approx(vals("bf16"), abs=0.05) and vals("fp32") != vals("bf16")
+
+
+def test_out_of_memory_is_one_line_with_the_fix(tmp_path, shards, capsys, monkeypatch):
+    import train_gpt2
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(train_gpt2, "train_step", oom)
+    line = _error(capsys, tiny_run_args(shards, tmp_path))
+    assert line == ("error: out of GPU memory in step 1 (2x32 tokens per micro-batch); halve --batch_size and "
+                    "double --grad_accumulation_steps (same tokens per step)")
