@@ -15,6 +15,7 @@ from train_gpt2 import main as train_main
 sys.path.insert(0, str(REPO / "scripts"))
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # unfused on CPU, expected
 @pytest.mark.parametrize("changes", [
     {}, dict(n_kv_head=2), dict(n_kv_head=1), dict(kv_lora_rank=16, mla_rope_dim=8),
     dict(window=5, window_pattern="LG"), dict(pos="learned"), dict(moe_experts=4, moe_topk=2),
