@@ -1200,13 +1200,8 @@ class StopSignal:
         return int(flag.item())
 
 
-def train(args) -> int:
-    wall_start = time.perf_counter()
-    check_run_flags(args)
-    config = resolve_model_config(args)
-    env = setup_distributed(args.device)
-    accumulation = resolve_grad_accumulation(args, env.world_size)
-    B, T = args.batch_size, args.sequence_length
+def check_device_fit(args, config: GPTConfig, env: Distributed):
+    """Flags that depend on the device: the flash kernel's GPU generation, the memory cap, block_size."""
     if config.attn_impl == "flash" and env.device.type == "cuda" and torch.cuda.get_device_capability(env.device) < (8, 0):
         raise InputError("--attn_impl flash: this GPU has no flash-attention kernel (it needs sm80+, Ampere or "
                          "newer); use --attn_impl sdpa")
@@ -1218,9 +1213,19 @@ def train(args) -> int:
             raise InputError(f"--memory_cap_gib {args.memory_cap_gib} must be between 0 and this GPU's "
                              f"{total / 2**30:.1f} GiB")
         torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / total, env.device)
-    if T > config.block_size:
-        raise InputError(f"--sequence_length {T} exceeds the model's block_size {config.block_size}; "
-                         f"pass --block_size {T} (or more)")
+    if args.sequence_length > config.block_size:
+        raise InputError(f"--sequence_length {args.sequence_length} exceeds the model's block_size "
+                         f"{config.block_size}; pass --block_size {args.sequence_length} (or more)")
+
+
+def train(args) -> int:
+    wall_start = time.perf_counter()
+    check_run_flags(args)
+    config = resolve_model_config(args)
+    env = setup_distributed(args.device)
+    accumulation = resolve_grad_accumulation(args, env.world_size)
+    B, T = args.batch_size, args.sequence_length
+    check_device_fit(args, config, env)
     tokens_per_step = B * T * accumulation * env.world_size
 
     run_dir = resolve_run_dir(args)
