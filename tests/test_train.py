@@ -404,3 +404,24 @@ def test_out_of_memory_is_one_line_with_the_fix(tmp_path, shards, capsys, monkey
     line = _error(capsys, tiny_run_args(shards, tmp_path))
     assert line == ("error: out of GPU memory in step 1 (2x32 tokens per micro-batch); halve --batch_size and "
                     "double --grad_accumulation_steps (same tokens per step)")
+
+
+def test_progress_bar_on_a_terminal(tmp_path, shards):
+    import pty
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, str(REPO / "train_gpt2.py"), *tiny_run_args(shards, tmp_path)],
+                            stdout=slave, stderr=subprocess.PIPE)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=120) == 0
+    shown = b"".join(chunks).decode(errors="replace")
+XX
+    assert "| loss " not in shown and "val loss" in shown and "status:" in shown
