@@ -54,7 +54,7 @@ class GPTConfig:
     rope_base: float = 10000.0
     tie_embeddings: bool = True
     zero_init_proj: bool = False  # start every residual branch's output projection at zero (blocks begin as identity)
-    activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
+    activation_checkpointing: bool = False  # recompute each block's forward during backward: less activation memory, one more forward pass
 
     def __post_init__(self):
         # Checked here so that every way of building a config (registry, CLI override, checkpoint)

@@ -5,8 +5,8 @@
 
 Each module's forward and backward are timed through hooks, with the device synchronized at every
 boundary so that time lands on the part that spent it; a module's own share excludes its children.
-The step runs eagerly: torch.compile fuses across these boundaries, so a compiled step is faster and its
-time splits differently, but eager attribution is what names the expensive parts. A torch.profiler
+The step runs eagerly: torch.compile fuses across these boundaries, so a compiled step's time splits
+differently, but eager attribution is what names the expensive parts. A torch.profiler
 trace of the same steps (open it in chrome://tracing or ui.perfetto.dev) is written with --trace.
 """
 

@@ -31,10 +31,11 @@ def test_parts_cover_the_step(tmp_path):
 
 
 def test_time_lands_on_the_part_that_spends_it():
-    small, _ = profile_model.profile(args_for("--mlp_ratio", "1"))
-    big, _ = profile_model.profile(args_for("--mlp_ratio", "32"))
-    assert big["MLP / MoE"] > 3 * small["MLP / MoE"]
-    assert big["attention core"] < 3 * small["attention core"]
+    # Shares of the step rather than milliseconds, so that a busy machine slowing everything cancels out.
+    small, small_step = profile_model.profile(args_for("--mlp_ratio", "1"))
+    big, big_step = profile_model.profile(args_for("--mlp_ratio", "32"))
+    assert big["MLP / MoE"] / big_step > 2 * small["MLP / MoE"] / small_step
+    assert big["attention core"] / big_step < small["attention core"] / small_step
 
 
 def test_real_shards_and_the_printed_table(tmp_path, shards, capsys):

@@ -305,14 +305,22 @@ def test_every_model_field_has_an_override_flag():
 
 
 def test_list_models(capsys):
+    from model_variants import VARIANTS
     assert main(["--list_models"]) == 0
-    out = capsys.readouterr().out
-    assert "d12" in out and "124" not in out.split("d12")[0]
-    assert "123.5M" in out  # d12: 50257*768 + 12*12*768^2 parameters
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows.keys() == VARIANTS.keys()
+    assert rows["d12"].split()[5:7] == ["123.5M", "123.5M"]  # 50257*768 + 12*12*768^2, all active
+    assert rows["d12_moe"].split()[5:7] == ["293.5M", "123.6M"] and "moe_experts=8" in rows["d12_moe"]
+    assert rows["d12_gqa"].split()[3] == "4" and rows["d12_gqa"].endswith("n_kv_head=4")
 
 
-def test_peak_flops_is_na_off_the_table():
-    assert peak_flops(torch.device("cpu")) is None
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12),
+                                        ("NVIDIA GeForce RTX 4090", 165e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                                        ("Tesla T4", None), ("NVIDIA H100 PCIe", None)])
+def test_peak_flops_table_and_na_off_it(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops(torch.device("cuda")) == peak
+    assert peak_flops(torch.device("cpu")) is None  # CPU: MFU n/a
 
 
 def test_summary_block_formats_missing_values_as_na():
