@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: run the P40 benchmark for each model named, one after the other in this one call,
-# score each final checkpoint on the real-FineWeb check shard, and print a table last.
+# score each final checkpoint on the real-FineWeb check shard, and print a table last (compare_runs.py).
 #   bash scripts/bench_p40.sh d12 [d12_other ...]        (extra train flags: P40_FLAGS="--seed 1")
 #   P40_QUICK=1 bash scripts/bench_p40.sh d12 d12_gqa ... throughput only: 30 steps, one 16k-token eval,
 #                                                         no FineWeb check, no coordinate-descent tuning
@@ -36,21 +36,15 @@ for model in "$@"; do
   cp "$runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl"
   cp "$runs/$name/summary.json" "$out/$name.summary.json"
 done
-python3 - "$runs" "${P40_TAG:-}" "$@" <<'PY'
-import json, sys
-runs, tag, models = sys.argv[1], sys.argv[2], sys.argv[3:]
-names = [model + tag for model in models]
-print(f"{'run':<16}{'P40 val':>9}{'FW check':>10}{'train s':>9}{'compile s':>10}{'tok/s':>10}{'MFU':>7}{'peak MiB':>10}"
-      f"{'params':>9}")
-for name in names:
-    try:
-        s = json.load(open(f"{runs}/{name}/summary.json"))
-    except FileNotFoundError:
-        print(f"{name:<16}failed: see {name}.log")
-        continue
-    fw = open(f"{runs}/{name}/fineweb_check.txt").read().split()[-1]
-    mfu = f"{100 * s['mfu']:.1f}%" if s["mfu"] else "n/a"
-    print(f"{name:<16}{s['final_val_loss']:>9.4f}{float(fw):>10.4f}{s['train_time_s']:>9.1f}{s['compile_s']:>10.1f}"
-          f"{s['tokens_per_s']:>10,.0f}{mfu:>7}{s['peak_mem_mib']:>10,.0f}"
-          f"{json.load(open(f'{runs}/{name}/config.json'))['num_params'] / 1e6:>8.1f}M")
-PY
+finished=()
+for model in "$@"; do
+  name="${model}${P40_TAG:-}"
+  if [ -f "$runs/$name/summary.json" ]; then
+    finished+=("$runs/$name")
+    echo "$name FineWeb check $(cat "$runs/$name/fineweb_check.txt")"
+  else
+    echo "$name failed: see $name.log"
+  fi
+done
+# The table: time to the first run's final P40 loss, throughput, MFU, memory, compile time.
+[ ${#finished[@]} -eq 0 ] || python3 scripts/compare_runs.py "${finished[@]}" --target first
