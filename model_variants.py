@@ -54,6 +54,12 @@ class GPTConfig:
     rope_base: float = 10000.0
     tie_embeddings: bool = True
     zero_init_proj: bool = False  # start every residual branch's output projection at zero (blocks begin as identity)
+    scale_attn_branch: bool = True  # NoCap multiplies the attention branch by 1/sqrt(2 * n_layer)
+    # --- residual-stream shortcuts (modded-nanogpt lineage) -----------------------------------------
+    embed_norm: bool = False  # normalize the token embedding before the first block
+    x0_mix: bool = False  # each block's input is a*x + b*x0 (x0: the embedding stream), a, b learned from 1, 0
+    value_residual: bool = False  # blocks 1.. mix their values with block 0's: v = a*v + b*v0, learned from 1/2, 1/2
+    unet_skips: bool = False  # block n_layer-1-i also gets block i's output (i < n_layer/2), weight learned from 1
     activation_checkpointing: bool = False  # recompute each block's forward during backward: less activation memory, one more forward pass
 
     def __post_init__(self):
@@ -80,6 +86,9 @@ class GPTConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
         if not self.window_pattern or set(self.window_pattern) - {"L", "G"}:
             raise ValueError(f"window_pattern={self.window_pattern!r} must be made of L and G, e.g. LLLG")
+        if self.value_residual and self.kv_lora_rank:
+            raise ValueError("value_residual mixes per-head values of grouped attention; MLA (kv_lora_rank > 0) "
+                             "has no such values — turn one of them off")
         if self.kv_lora_rank:
             if self.n_kv_head not in (0, self.n_head):
                 raise ValueError("MLA (kv_lora_rank > 0) has one latent for all heads; leave n_kv_head at 0")
@@ -167,6 +176,22 @@ VARIANTS: dict[str, GPTConfig] = {
     "d12_swa": replace(D12, attn_impl="flex", window=256, window_pattern="LLLG"),  # 3 local : 1 global
     # The combination the user's performance analysis recommended first (it expected 1.6-1.8x):
     "d12_lite": replace(D12, n_kv_head=4, attn_impl="flash", mlp_ratio=3),
+    # The measured-best recipe (docs/RESULTS.md has an ablation row for every field and flag it changes).
+    "d12_fast": replace(
+        D12, n_head=6,  # head_dim 128
+        qk_norm=True, mlp_act="relu2", zero_init_proj=True, scale_attn_branch=False, tie_embeddings=False,
+        logit_softcap=15.0, embed_norm=True, x0_mix=True, value_residual=True, unet_skips=True),
+}
+
+# Training settings a variant brings along: train_gpt2.py takes them as its flag defaults when --model
+# names the variant, and flags given on the command line still win. Keys are the trainer's flag names.
+RECIPES: dict[str, dict] = {
+    # FineWeb schedule: 262,144 tokens per step; the linear cooldown (the second half, down to 10% of the
+    # peak) ends at 2000 steps = 524M tokens, the budget docs/RESULTS.md projects for reaching 3.3821.
+    "d12_fast": dict(
+        optimizer="muon", muon_lr=0.05, muon_momentum_warmup=300, learning_rate=0.008, embed_lr=0.3,
+        scalar_lr=0.04, weight_decay=0.0, total_batch_size=262144, num_iterations=2000, warmup_iters=0,
+        warmdown_iters=1000, lr_floor=0.1, val_loss_every=125),
 }
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model_variants import VARIANTS, GPTConfig, config_fields, get_variant, with_overrides
+from model_variants import RECIPES, VARIANTS, GPTConfig, config_fields, get_variant, with_overrides
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adamw: NoCap's, on every parameter; muon: torch.optim.Muon on the blocks' weight "
                         "matrices, AdamW (--learning_rate) on embeddings, head and the rest")
     g.add_argument("--learning_rate", type=float, default=0.0018, help="peak AdamW learning rate")
+    g.add_argument("--embed_lr", type=float, default=None,
+                   help="--optimizer muon: peak AdamW learning rate of untied input embeddings (default "
+                        "--learning_rate)")
+    g.add_argument("--scalar_lr", type=float, default=None,
+                   help="--optimizer muon: peak AdamW learning rate of gains and learned mixing scalars, which "
+                        "get no weight decay (default --learning_rate)")
     g.add_argument("--muon_lr", type=float, default=0.02, help="peak Muon learning rate (--optimizer muon)")
     g.add_argument("--muon_momentum", type=float, default=0.95, help="Muon momentum (--optimizer muon)")
     g.add_argument("--muon_momentum_warmup", type=int, default=0,
@@ -349,8 +355,11 @@ class CausalSelfAttention(nn.Module):
         # One fused projection; for MHA this is NoCap's c_attn (n_embd -> 3 * n_embd) exactly.
         self.c_attn = nn.Linear(config.n_embd, q_dim + 2 * kv_dim, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        # Value residual (ResFormer): blocks after the first blend in block 0's values, starting half-half.
+        self.v_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if config.value_residual and layer > 0 else None
 
-    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None):
+    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None, v0=None):
+        """Returns the attention output and the values used (block 0's feed the value residual)."""
         B, T, C = x.shape
         c = self.config
         q, k, v = self.c_attn(x).split(self.split, dim=2)
@@ -361,10 +370,13 @@ class CausalSelfAttention(nn.Module):
         if cos is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(B, T, c.kv_heads, c.head_dim)
+        if self.v_mix is not None:
+            v = self.v_mix[0] * v + self.v_mix[1] * v0
+        values = v
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         y = (cached_attention(q, k, v, self.layer, self.window, cache) if cache is not None
              else causal_attention(q, k, v, c.attn_impl, self.window, block_masks and block_masks[self.window]))
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)), values
 
 
 class LatentAttention(nn.Module):
@@ -382,7 +394,7 @@ class LatentAttention(nn.Module):
         self.c_kv_up = nn.Linear(config.kv_lora_rank, config.n_head * (self.nope_dim + config.head_dim), bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None):
+    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None, v0=None):
         B, T, C = x.shape
         c = self.config
         q_nope, q_rope = self.c_q(x).view(B, T, c.n_head, c.head_dim).split((self.nope_dim, c.mla_rope_dim), dim=-1)
@@ -399,7 +411,7 @@ class LatentAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         y = (cached_attention(q, k, v, self.layer, self.window, cache) if cache is not None
              else causal_attention(q, k, v, c.attn_impl, self.window, block_masks and block_masks[self.window]))
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)), None
 
 
 def mlp_activation(h: torch.Tensor, act: str) -> torch.Tensor:
@@ -431,6 +443,19 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     return dtype == torch.bfloat16 if device_type == "cuda" else dtype in (torch.float32, torch.bfloat16)
+
+
+@torch.compiler.disable
+def experts_one_by_one(routed, counts, w_in, w_out, act: str) -> torch.Tensor:
+    """The per-expert loop over token blocks grouped by expert (where torch._grouped_mm cannot run: the
+    fp32 evaluation pass on CUDA). Its block sizes depend on the data, so it stays out of compiled graphs:
+    torch 2.11's inductor failed on it on an H100 ("0 not in VR[32768, 32768]", an expert with no tokens)."""
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        block = routed[start: start + n]
+        out.append(mlp_activation(block @ w_in[e], act) @ w_out[e])
+        start += n
+    return torch.cat(out)
 
 
 class MoE(nn.Module):
@@ -475,12 +500,7 @@ class MoE(nn.Module):
             h = torch._grouped_mm(routed.to(dtype), self.w_in.to(dtype), offs=offsets)
             out = torch._grouped_mm(mlp_activation(h, self.act), self.w_out.to(dtype), offs=offsets)
         else:
-            out, start = [], 0
-            for e, n in enumerate(counts.tolist()):
-                block = routed[start: start + n]
-                out.append(mlp_activation(block @ self.w_in[e], self.act) @ self.w_out[e])
-                start += n
-            out = torch.cat(out)
+            out = experts_one_by_one(routed, counts, self.w_in, self.w_out, self.act)
         weights = top_probs.flatten()[order].unsqueeze(-1)  # gate of each routed assignment
         combined = torch.zeros_like(tokens, dtype=out.dtype).index_add_(0, token_of, out * weights.to(out.dtype))
         if self.shared is not None:
@@ -495,16 +515,22 @@ class Block(nn.Module):
         self.attn = LatentAttention(config, layer) if config.kv_lora_rank else CausalSelfAttention(config, layer)
         self.mlp = MoE(config) if layer in config.moe_block_indices else MLP(config)
         # NoCap scales only the attention branch, to keep the residual stream's variance in check.
-        self.attn_scale = 1 / math.sqrt(2 * config.n_layer)
+        self.attn_scale = 1 / math.sqrt(2 * config.n_layer) if config.scale_attn_branch else 1.0
+        # x0 shortcut: the block reads a learned blend of the stream and the embedding, starting at the stream.
+        self.x_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if config.x0_mix else None
 
-    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None):
-        """Returns the new residual stream and, for an MoE block, its (aux loss, expert load).
-        block_masks maps each attention window in use to its FlexAttention mask (flex only)."""
-        x = x + self.attn_scale * self.attn(self.norm_attn(x), cos, sin, block_masks, cache)
+    def forward(self, x, x0, v0, cos, sin, block_masks=None, cache: KVCache | None = None):
+        """Returns the new residual stream, the attention values (for the value residual) and, for an
+        MoE block, its (aux loss, expert load). x0 is the embedding stream, v0 block 0's values (None in
+        block 0). block_masks maps each attention window in use to its FlexAttention mask (flex only)."""
+        if self.x_mix is not None:
+            x = self.x_mix[0] * x + self.x_mix[1] * x0
+        y, values = self.attn(self.norm_attn(x), cos, sin, block_masks, cache, v0)
+        x = x + self.attn_scale * y
         if isinstance(self.mlp, MoE):
             y, aux, load = self.mlp(self.norm_mlp(x))
-            return x + y, (aux, load)
-        return x + self.mlp(self.norm_mlp(x)), None
+            return x + y, values, (aux, load)
+        return x + self.mlp(self.norm_mlp(x)), values, None
 
 
 class GPT(nn.Module):
@@ -518,6 +544,9 @@ class GPT(nn.Module):
         ))
         if config.pos == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.norm_embed = Norm(config) if config.embed_norm else None
+        # U-net: block n_layer-1-i adds skip_weights[.] * (block i's output) to its input, for i < n_layer // 2.
+        self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2)) if config.unet_skips else None
         self.norm_f = Norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -558,12 +587,23 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx)  # (B, T, n_embd)
         if c.pos == "learned":
             x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
-        moe_terms = []
-        for block in self.transformer.h:
+        if self.norm_embed is not None:
+            x = self.norm_embed(x)
+        x0, v0, skips, moe_terms = x, None, [], []
+        n_skips = c.n_layer // 2 if c.unet_skips else 0
+        for i, block in enumerate(self.transformer.h):
+            mirror = c.n_layer - 1 - i  # the encoder block whose output this decoder block receives
+            if mirror < n_skips:
+                x = x + self.skip_weights[mirror] * skips[mirror]
             if c.activation_checkpointing and self.training:
-                x, moe = torch.utils.checkpoint.checkpoint(block, x, cos, sin, block_masks, use_reentrant=False)
+                x, values, moe = torch.utils.checkpoint.checkpoint(block, x, x0, v0, cos, sin, block_masks,
+                                                                   use_reentrant=False)
             else:
-                x, moe = block(x, cos, sin, block_masks, cache)
+                x, values, moe = block(x, x0, v0, cos, sin, block_masks, cache)
+            if i == 0 and c.value_residual:
+                v0 = values
+            if i < n_skips:
+                skips.append(x)
             if moe is not None:
                 moe_terms.append(moe)
         if cache is not None:
@@ -877,11 +917,21 @@ def make_optimizer(model: GPT, args, device: torch.device) -> Optimizers:
         # NoCap: one AdamW group over every parameter, weight decay included on embeddings.
         return Optimizers([torch.optim.AdamW(model.parameters(), lr=args.learning_rate, **adamw)])
     hidden = muon_params(model)
-    hidden_ids = {id(p) for p in hidden}
-    rest = [p for p in model.parameters() if id(p) not in hidden_ids]
+    taken = {id(p) for p in hidden}
+    # AdamW groups, each with its own peak: untied input embeddings, then vectors and scalars (gains,
+    # mixing weights), then the rest (the head, routers, expert stacks).
+    embeddings = [] if model.config.tie_embeddings else [model.transformer.wte.weight]
+    embeddings += [model.transformer.wpe.weight] if model.config.pos == "learned" else []
+    taken |= {id(p) for p in embeddings}
+    scalars = [p for p in model.parameters() if p.ndim < 2 and id(p) not in taken]
+    taken |= {id(p) for p in scalars}
+    rest = [p for p in model.parameters() if id(p) not in taken]
+    groups = [dict(params=rest, lr=args.learning_rate),
+              dict(params=embeddings, lr=args.embed_lr or args.learning_rate),
+              dict(params=scalars, lr=args.scalar_lr or args.learning_rate, weight_decay=0.0)]
     return Optimizers([
         torch.optim.Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.weight_decay),
-        torch.optim.AdamW(rest, lr=args.learning_rate, **adamw),
+        torch.optim.AdamW([g for g in groups if g["params"]], **adamw),
     ])
 
 
@@ -1417,6 +1467,8 @@ def list_models() -> str:
                             if getattr(config, f.name) != getattr(VARIANTS["d12"], f.name))
         rows.append(f"{name:<11}{config.n_layer:>7}{config.n_head:>6}{config.kv_heads:>4}{config.n_embd:>6}"
                     f"{model.num_params() / 1e6:>8.1f}M{model.active_params() / 1e6:>8.1f}M  {changed}")
+    for name, recipe in RECIPES.items():
+        rows.append(f"--model {name} also sets: " + " ".join(f"--{flag} {value}" for flag, value in recipe.items()))
     return "\n".join(rows)
 
 
@@ -1429,8 +1481,21 @@ def report_input_errors(action) -> int:
         return 2
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, with the chosen variant's recipe (model_variants.RECIPES) as flag defaults."""
+    parser = build_parser()
+    known, _ = parser.parse_known_args(argv)
+    recipe = dict(RECIPES.get(known.model, {}))
+    if known.total_batch_size is not None or known.grad_accumulation_steps is not None:
+        # The user sized the batch with one of the two linked flags: the recipe's size gives way entirely.
+        recipe.pop("total_batch_size", None)
+        recipe.pop("grad_accumulation_steps", None)
+    parser.set_defaults(**recipe)
+    return parser.parse_args(argv)
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.list_models:
         print(list_models())
         return 0

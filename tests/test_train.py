@@ -99,10 +99,32 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
                           "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight",
                           "transformer.h.1.attn.c_attn.weight", "transformer.h.1.attn.c_proj.weight",
                           "mtp_proj.0.weight"}
-    adamw_ids = {id(p) for p in adamw.param_groups[0]["params"]}
+    adamw_ids = {id(p) for group in adamw.param_groups for p in group["params"]}
     assert {id(p) for p in model.parameters()} == adamw_ids | {id(p) for p in muon.param_groups[0]["params"]}
     assert id(model.lm_head.weight) in adamw_ids and id(model.transformer.h[1].mlp.router.weight) in adamw_ids
     assert (muon.param_groups[0]["lr"], adamw.param_groups[0]["lr"]) == (0.05, 0.003)
+
+
+def test_muon_recipe_gives_embeddings_and_scalars_their_own_adamw_groups():
+    from model_variants import TINY, with_overrides
+    from train_gpt2 import GPT, make_optimizer
+    model = GPT(with_overrides(TINY, vocab_size=64, tie_embeddings=False, norm="rms_gain", x0_mix=True,
+                               value_residual=True, unet_skips=True))
+    args = build_parser().parse_args(["--optimizer", "muon", "--learning_rate", "0.003", "--embed_lr", "0.3",
+                                      "--scalar_lr", "0.04", "--weight_decay", "0.1"])
+    groups = make_optimizer(model, args, torch.device("cpu")).optimizers[1].param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_lr = {g["lr"]: ({names[id(p)] for p in g["params"]}, g["weight_decay"]) for g in groups}
+    assert by_lr[0.003] == ({"lm_head.weight"}, 0.1)
+    assert by_lr[0.3] == ({"transformer.wte.weight"}, 0.1)
+    assert by_lr[0.04] == ({"skip_weights", "transformer.h.0.x_mix", "transformer.h.1.x_mix",
+                            "transformer.h.1.attn.v_mix", "transformer.h.0.norm_attn.weight",
+                            "transformer.h.0.norm_mlp.weight", "transformer.h.1.norm_attn.weight",
+                            "transformer.h.1.norm_mlp.weight", "norm_f.weight"}, 0.0)
+    # Defaults: every AdamW group at --learning_rate; a tied embedding is the head and stays in its group.
+    tied = GPT(with_overrides(TINY, vocab_size=64))
+    args = build_parser().parse_args(["--optimizer", "muon", "--learning_rate", "0.003", "--embed_lr", "0.3"])
+    assert [g["lr"] for g in make_optimizer(tied, args, torch.device("cpu")).optimizers[1].param_groups] == [0.003]
 
 
 def test_muon_updates_are_orthogonalized():
@@ -304,11 +326,26 @@ def test_every_model_field_has_an_override_flag():
     assert all(hasattr(args, f.name) for f in config_fields())
 
 
+def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
+    from train_gpt2 import parse_args
+    d12, fast = parse_args([]), parse_args(["--model", "d12_fast"])
+    assert (d12.optimizer, d12.learning_rate, d12.total_batch_size) == ("adamw", 0.0018, None)
+    assert (fast.optimizer, fast.total_batch_size, fast.lr_floor) == ("muon", 262144, 0.1)
+    mine = parse_args(["--model=d12_fast", "--optimizer", "adamw", "--lr_floor", "0"])
+    assert (mine.optimizer, mine.lr_floor, mine.muon_lr) == ("adamw", 0.0, fast.muon_lr)
+    # Either batch flag replaces the recipe's batch size, so the two can never contradict each other.
+    for flag in ("--grad_accumulation_steps", "--total_batch_size"):
+        args = parse_args(["--model", "d12_fast", flag, "16384"])
+        assert args.total_batch_size == (16384 if flag == "--total_batch_size" else None)
+
+
 def test_list_models(capsys):
     from model_variants import VARIANTS
     assert main(["--list_models"]) == 0
-    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    lines = capsys.readouterr().out.splitlines()[1:]
+    rows = {line.split()[0]: line for line in lines if not line.startswith("--model")}
     assert rows.keys() == VARIANTS.keys()
+    assert lines[-1].startswith("--model d12_fast also sets: --optimizer muon")
     assert rows["d12"].split()[5:7] == ["123.5M", "123.5M"]  # 50257*768 + 12*12*768^2, all active
     assert rows["d12_moe"].split()[5:7] == ["293.5M", "123.6M"] and "moe_experts=8" in rows["d12_moe"]
     assert rows["d12_gqa"].split()[3] == "4" and rows["d12_gqa"].endswith("n_kv_head=4")

@@ -57,6 +57,10 @@ def test_every_variant_builds_trains_and_is_causal(name):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.6 * losses[0], (name, losses[0], losses[-1])
+    # Again after training: zero-initialized projections (d12_fast) make the untrained check a weak one.
+    model.zero_grad()
+    grads = next_token_logit_grads(model, idx, t=10)
+    assert grads[0, 11:].abs().max().item() == 0.0 and grads[0, :10].abs().max().item() > 0.0
 
 
 def test_grouped_query_heads_equal_mha_with_repeated_kv_weights():
@@ -182,6 +186,22 @@ def test_grouped_mm_moe_equals_the_per_expert_loop(act, shared):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_moe_with_an_idle_expert_equals_eager():
+    # The per-expert loop (the fp32 evaluation path on CUDA) has data-dependent block sizes; it runs
+    # outside the compiled graph, whatever the routing — here with one expert that gets no token at all.
+    torch.manual_seed(0)
+    moe = MoE(with_overrides(TINY, moe_experts=4, moe_topk=2))
+    with torch.no_grad():
+        moe.router.weight[3].fill_(-1.0)  # positive inputs never pick expert 3
+    x = torch.randn(2, 16, 64).abs()
+    eager, _, load = moe(x, use_grouped_mm=False)
+    assert load[3] == 0
+    explanation = torch._dynamo.explain(lambda t: moe(t, use_grouped_mm=False)[0])(x)
+    assert any("experts_one_by_one" in str(r.reason) for r in explanation.break_reasons)  # not traced
+    compiled = torch.compile(lambda t: moe(t, use_grouped_mm=False)[0], backend="aot_eager")
+    torch.testing.assert_close(compiled(x), eager)
+
+
 def test_moe_routes_each_token_to_exactly_topk_experts():
     torch.manual_seed(0)
     moe = MoE(with_overrides(TINY, moe_experts=4, moe_topk=2))
@@ -223,7 +243,7 @@ def _final_hidden(model, idx):
     cos, sin = model.rotary(idx.size(1))
     x = model.transformer.wte(idx)
     for block in model.transformer.h:
-        x, _ = block(x, cos, sin)
+        x, _, _ = block(x, x, None, cos, sin)
     return model.norm_f(x)
 
 
@@ -304,6 +324,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
     (dict(window=8, window_pattern="LX"), "made of L and G"),
     (dict(kv_lora_rank=64, mla_rope_dim=64), "mla_rope_dim=64"),
     (dict(mlp_act="geglu"), "mlp_act='geglu'"),
+    (dict(kv_lora_rank=64, value_residual=True), "value_residual"),
 ])
 def test_invalid_variant_fields_explain_themselves(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -329,7 +350,105 @@ def test_zero_init_projections_make_every_block_start_as_identity():
         x = torch.randn(2, 8, 64)
         cos, sin = model.rotary(8)
         for block in model.transformer.h:
-            assert torch.equal(block(x, cos, sin)[0], x)
+            assert torch.equal(block(x, x, None, cos, sin)[0], x)
         idx = torch.randint(0, 64, (2, 8))
         model(idx, idx)[1].backward()  # the zeroed projections still get gradients, so they learn
         assert model.transformer.h[0].attn.c_proj.weight.grad.abs().sum() > 0
+
+
+# --- residual-stream shortcuts: x0 mix, value residual, U-net skips, embedding norm -----------------
+
+SHORTCUTS = dict(embed_norm=True, x0_mix=True, value_residual=True, unet_skips=True, scale_attn_branch=False)
+
+
+def reference_forward(model: GPT, idx: torch.Tensor) -> torch.Tensor:
+    """The shortcut model's logits written out step by step from its weights (manual attention, no
+    rotary tricks beyond the tables): the definition the fused forward must match."""
+    c = model.config
+    T, L = idx.size(1), c.n_layer
+    cos, sin = model.rotary(T)
+
+    def rms(x):
+        return F.rms_norm(x, (x.size(-1),), eps=c.norm_eps)
+
+    def rotate(x):  # (B, T, H, D) half-split rotary
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos + x2 * sin, -x1 * sin + x2 * cos], dim=-1)
+
+    x = model.transformer.wte(idx)
+    x = rms(x) if c.embed_norm else x
+    x0, v0, outputs = x, None, []
+    for i, block in enumerate(model.transformer.h):
+        if c.unet_skips and L - 1 - i < L // 2:
+            x = x + model.skip_weights[L - 1 - i] * outputs[L - 1 - i]
+        if c.x0_mix:
+            x = block.x_mix[0] * x + block.x_mix[1] * x0
+        q, k, v = block.attn.c_attn(rms(x)).split(c.n_embd, dim=-1)
+        q, k, v = (t.view(*idx.shape, c.n_head, c.head_dim) for t in (q, k, v))
+        if c.value_residual:
+            v = v if i == 0 else block.attn.v_mix[0] * v + block.attn.v_mix[1] * v0
+            v0 = v if i == 0 else v0
+        q, k = rotate(rms(q)), rotate(rms(k))  # qk_norm
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / c.head_dim ** 0.5
+        scores = scores.masked_fill(~causal_mask(T, 0, idx.device), float("-inf"))
+        y = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(*idx.shape, c.n_embd)
+        x = x + (1.0 if not c.scale_attn_branch else (2 * L) ** -0.5) * block.attn.c_proj(y)
+        x = x + block.mlp(rms(x))
+        outputs.append(x)
+    return model.lm_head(rms(x))
+
+
+def test_shortcut_model_equals_its_written_out_definition():
+    torch.manual_seed(0)
+    config = with_overrides(TINY, vocab_size=64, n_layer=5, attn_impl="manual", qk_norm=True, **SHORTCUTS)
+    model = GPT(config).double()
+    with torch.no_grad():  # move every learned mix away from its identity start so each one matters
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.uniform_(0.3, 1.5)
+    idx = torch.randint(0, 64, (2, 12))
+    torch.testing.assert_close(model(idx)[0], reference_forward(model, idx)[:, [-1]])
+    logits, loss, _ = model(idx, idx)
+    torch.testing.assert_close(logits, reference_forward(model, idx))
+    loss.backward()  # every mixing weight is trained
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.ndim == 1)
+
+
+@pytest.mark.parametrize("field", ["x0_mix", "value_residual", "unet_skips"])
+def test_each_shortcut_starts_as_or_reduces_to_the_plain_model(field):
+    torch.manual_seed(0)
+    plain = GPT(with_overrides(TINY, vocab_size=64, n_layer=4)).double()
+    shortcut = GPT(with_overrides(TINY, vocab_size=64, n_layer=4, **{field: True})).double()
+    missing, unexpected = shortcut.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and missing
+    idx = torch.randint(0, 64, (2, 10))
+    if field == "x0_mix":  # starts at (1, 0): the plain stream
+        torch.testing.assert_close(shortcut(idx, idx)[0], plain(idx, idx)[0])
+    else:  # value residual (1/2, 1/2) and skips (weight 1) start active; at (1, 0) and 0 they vanish
+        assert not torch.allclose(shortcut(idx, idx)[0], plain(idx, idx)[0])
+        with torch.no_grad():
+            for name, p in shortcut.named_parameters():
+                if name.endswith("v_mix"):
+                    p.copy_(torch.tensor([1.0, 0.0]))
+                if name == "skip_weights":
+                    p.zero_()
+        torch.testing.assert_close(shortcut(idx, idx)[0], plain(idx, idx)[0])
+
+
+def test_embed_norm_makes_the_model_blind_to_embedding_scale():
+    torch.manual_seed(0)
+    for embed_norm in (True, False):
+        model = GPT(with_overrides(TINY, vocab_size=64, embed_norm=embed_norm, tie_embeddings=False)).double()
+        idx = torch.randint(0, 64, (2, 10))
+        before = model(idx, idx)[0]
+        with torch.no_grad():
+            model.transformer.wte.weight.mul_(10.0)
+        assert torch.allclose(model(idx, idx)[0], before, atol=1e-5) == embed_norm  # eps aside
+
+
+def test_value_residual_and_skips_work_with_the_kv_cache():
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=64, n_layer=4, **SHORTCUTS))
+    prompt = torch.randint(0, 64, (2, 5))
+    cached = model.generate(prompt, 6, temperature=0, use_cache=True)
+    assert torch.equal(cached, model.generate(prompt, 6, temperature=0, use_cache=False))
