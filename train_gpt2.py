@@ -1430,7 +1430,14 @@ def train(args) -> int:
                 progress.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
             else:
                 emit(line)
-        if status != "interrupted":
+            if not math.isfinite(train_loss):  # all ranks see the same all-reduced loss, so all stop here
+                status = "diverged"
+                if env.is_main:
+                    print(f"error: training diverged: loss {train_loss} at step {step}; no checkpoint is written, "
+                          "so the newest one in the run directory is the last good state — lower --learning_rate "
+                          "(or --muon_lr) and start again or --resume from it", file=sys.stderr, flush=True)
+                break
+        if status not in ("interrupted", "diverged"):
             checkpoint(step, evaluated)
     if progress is not None:
         progress.close()
@@ -1455,6 +1462,8 @@ def train(args) -> int:
         # GIL to free a tensor — a teardown deadlock seen in ~1 of 5 two-process CPU runs.
         del model
         dist.destroy_process_group()
+    if status == "diverged":
+        return 1
     return 128 + stop.signum if status == "interrupted" else 0
 
 

@@ -22,8 +22,8 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from train_gpt2 import (GPT, MLP, Block, CausalSelfAttention, InputError, LatentAttention, MoE, Norm,  # noqa: E402
-                        TokenLoader, add_model_flags, pick_device, report_input_errors, resolve_model_config,
-                        synchronize)
+                        TokenLoader, add_model_flags, make_optimizer, parse_args, pick_device, report_input_errors,
+                        resolve_model_config, synchronize)
 
 PARTS = ("embedding", "attention projections", "attention core", "MLP / MoE", "norms", "head + loss",
          "residual adds & other", "optimizer", "data loading")
@@ -91,8 +91,8 @@ def profile(args) -> tuple[dict[str, float], float]:
     config = resolve_model_config(args)
     torch.manual_seed(0)
     model = GPT(config).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                  fused=use_cuda)
+    # The optimizer the model trains with: NoCap's AdamW, or its recipe's (d12_fast: Muon + AdamW).
+    optimizer = make_optimizer(model, parse_args(["--model", args.model]), device)
     B, T = args.batch_size, args.sequence_length
     if args.input_bin:
         loader = TokenLoader(args.input_bin, B, T, 0, 1, config.vocab_size, device)

@@ -47,6 +47,16 @@ def test_real_shards_and_the_printed_table(tmp_path, shards, capsys):
     assert {line[:24].strip() for line in out[2:-3]} == set(profile_model.PARTS)
 
 
+def test_the_step_uses_the_models_own_optimizer(monkeypatch):
+    import train_gpt2
+    steps = []
+    monkeypatch.setattr(train_gpt2.Optimizers, "step", lambda self: steps.append(
+        [type(opt).__name__ for opt in self.optimizers]))
+    profile_model.profile(args_for())
+    profile_model.profile(args_for("--model", "d12_fast", "--n_layer", "2", "--n_embd", "64", "--n_head", "2"))
+    assert steps[0] == ["AdamW"] and steps[-1] == ["Muon", "AdamW"]  # tiny: NoCap's; d12_fast: its recipe's
+
+
 def test_bad_input_is_one_line(tmp_path, capsys):
     assert profile_model.main(["--model", "tiny", "--device", "cpu", "--input_bin", str(tmp_path / "no*.bin")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -451,6 +451,15 @@ def test_out_of_memory_is_one_line_with_the_fix(tmp_path, shards, capsys, monkey
                     "double --grad_accumulation_steps (same tokens per step)")
 
 
+def test_a_diverged_run_stops_at_once_without_a_checkpoint(tmp_path, shards, capsys):
+    code, _, err = run(capsys, shards, tmp_path, "run", "--learning_rate", "inf")  # weights turn non-finite
+    assert code == 1
+    assert err.strip().splitlines()[-1].startswith("error: training diverged: loss nan at step 2;")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]) == ("diverged", 2)
+    assert not list((tmp_path / "run").glob("ckpt_*.pt"))
+
+
 def test_progress_bar_on_a_terminal(tmp_path, shards):
     import pty
     master, slave = pty.openpty()
