@@ -47,6 +47,9 @@ class GPTConfig:
     mtp_k: int = 0  # multi-token prediction: extra targets t+2 .. t+1+k, each from its own projection
     mtp_weight: float = 0.3  # weight of the mean extra-target loss in the training objective
     logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
+    # Training-time lm_head products in FP8 (e4m3 inputs, e5m2 gradients, per-tensor scales) on GPUs with FP8
+    # tensor cores (sm_89+: RTX 4090, H100); bf16 elsewhere, with a notice. Evaluation never uses FP8.
+    fp8_head: bool = False
     # --- the rest ---------------------------------------------------------------------------------
     norm: str = "rms"  # "rms" (parameter-free, NoCap), "rms_gain" (learned gain), "layer" (LayerNorm)
     norm_eps: float = 1e-6

@@ -437,6 +437,48 @@ class MLP(nn.Module):
         return self.c_proj(mlp_activation(self.c_fc(x), self.act))
 
 
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor scaled cast: (t / scale in `dtype`, fp32 scale), with t's largest magnitude at the format's max."""
+    scale = t.detach().abs().amax().float().clamp(min=1e-12) / FP8_MAX[dtype]
+    return (t.float() / scale).to(dtype), scale
+
+
+class FP8Matmul(torch.autograd.Function):
+    """x @ w.T with the forward product and both backward products in FP8 through torch._scaled_mm:
+    activations and weights as e4m3, the incoming gradient as e5m2 (its range matters more than its
+    precision). Shapes: x (N, d), w (V, d), every dimension a multiple of 16."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        x8, x_scale = to_fp8(x, torch.float8_e4m3fn)
+        w8, w_scale = to_fp8(w, torch.float8_e4m3fn)
+        ctx.save_for_backward(x8, x_scale, w8, w_scale)
+        ctx.x_dtype = x.dtype
+        # _scaled_mm wants its first operand row-major and its second column-major: w8.t() is that view.
+        return torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x8, x_scale, w8, w_scale = ctx.saved_tensors
+        g8, g_scale = to_fp8(grad, torch.float8_e5m2)
+        grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=g_scale, scale_b=w_scale,
+                                  out_dtype=torch.bfloat16)
+        grad_w = torch._scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), scale_a=g_scale, scale_b=x_scale,
+                                  out_dtype=torch.float32)
+        return grad_x.to(ctx.x_dtype), grad_w
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """FP8 tensor cores: CUDA compute capability 8.9 or newer (RTX 4090, H100; not A100 or RTX 3090).
+    torch._scaled_mm also runs on CPU, which keeps the path testable there."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu"
+
+
 def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     """Whether torch._grouped_mm can run here: CUDA kernels take bf16 only (measured with torch 2.11 on
     an H100: fp32 inputs fail, which is what the fp32 evaluation pass would give), the CPU one fp32/bf16."""
@@ -563,12 +605,29 @@ class GPT(nn.Module):
                 for w in ((block.mlp.w_out,) if isinstance(block.mlp, MoE) else (block.mlp.c_proj.weight,)):
                     nn.init.zeros_(w)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(h)
+    def logits(self, h: torch.Tensor, fp8: bool = False) -> torch.Tensor:
+        """Head (and softcap) over hidden states h (..., n_embd); fp8 asks for the FP8 head (training only)."""
+        logits = self.fp8_head(h) if fp8 and self.use_fp8_head(h) else self.lm_head(h)
         if self.config.logit_softcap:
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits.float() / cap)
         return logits
+
+    def use_fp8_head(self, h: torch.Tensor) -> bool:
+        if not self.config.fp8_head:
+            return False
+        if not fp8_supported(h.device):
+            notice(f"fp8_head: {torch.cuda.get_device_name(h.device)} has no FP8 tensor cores (sm_89+); "
+                   "the head runs in bf16")
+            return False
+        return h[..., 0].numel() % 16 == 0 and h.size(-1) % 16 == 0  # _scaled_mm's shape rule
+
+    def fp8_head(self, h: torch.Tensor) -> torch.Tensor:
+        # The vocabulary (50,257) is padded with zero rows to a multiple of 16 for the product and cut after.
+        V = self.lm_head.weight.size(0)
+        weight = F.pad(self.lm_head.weight, (0, 0, 0, -V % 16))
+        logits = FP8Matmul.apply(h.reshape(-1, h.size(-1)), weight)[:, :V]
+        return logits.view(*h.shape[:-1], V)
 
     def forward(self, idx, targets=None, return_logits=True, cache: KVCache | None = None):
         """idx, targets: (B, T) token ids. Returns (logits or None, loss or None, aux). The loss is the
@@ -612,7 +671,7 @@ class GPT(nn.Module):
         aux = {}
         if targets is None:
             return self.logits(h[:, [-1], :]), None, aux  # inference: only the last position
-        logits = self.logits(h)  # (B, T, vocab)
+        logits = self.logits(h, fp8=self.training)  # (B, T, vocab)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         if self.training:
             objective = loss
@@ -621,7 +680,7 @@ class GPT(nn.Module):
                 mtp_losses = []
                 for j, proj in enumerate(self.mtp_proj, start=1):
                     # Position t predicts token t+1+j, i.e. targets[t + j]; the last j positions have none.
-                    extra = self.logits(self.norm_f(proj(h[:, :-j])))
+                    extra = self.logits(self.norm_f(proj(h[:, :-j])), fp8=True)
                     mtp_losses.append(F.cross_entropy(extra.reshape(-1, extra.size(-1)), targets[:, j:].reshape(-1),
                                                       ignore_index=-1))
                     aux[f"mtp_loss_{j}"] = mtp_losses[-1].detach()

@@ -452,3 +452,69 @@ def test_value_residual_and_skips_work_with_the_kv_cache():
     prompt = torch.randint(0, 64, (2, 5))
     cached = model.generate(prompt, 6, temperature=0, use_cache=True)
     assert torch.equal(cached, model.generate(prompt, 6, temperature=0, use_cache=False))
+
+
+# --- FP8 head ---------------------------------------------------------------------------------------
+
+def _cosine(a, b):
+    return F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def test_fp8_matmul_tracks_the_exact_product_forward_and_backward():
+    from train_gpt2 import FP8Matmul
+    torch.manual_seed(0)
+    x = torch.randn(64, 32, requires_grad=True)
+    w = (0.05 * torch.randn(48, 32)).requires_grad_()
+    grad = torch.randn(64, 48)
+    y8 = FP8Matmul.apply(x, w)
+    (y8.float() * grad).sum().backward()
+    grads8 = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    (x @ w.t() * grad).sum().backward()
+    assert y8.dtype == torch.bfloat16 and grads8[0].dtype == x.dtype and grads8[1].dtype == w.dtype
+    # e4m3 keeps 3 mantissa bits: each product is off by a few percent, never in direction.
+    assert _cosine(y8, x @ w.t()) > 0.995
+    assert _cosine(grads8[0], x.grad) > 0.99 and _cosine(grads8[1], w.grad) > 0.99
+    assert (y8.float() - x @ w.t()).norm() / (x @ w.t()).norm() < 0.08
+
+
+def test_fp8_head_pads_the_vocabulary_trains_and_leaves_evaluation_alone():
+    torch.manual_seed(0)
+    plain = GPT(with_overrides(TINY, vocab_size=50))  # 50 rows: padded to 64 for the product
+    fp8 = GPT(with_overrides(TINY, vocab_size=50, fp8_head=True))
+    fp8.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 50, (2, 8))
+    logits8, loss8, _ = fp8(idx, idx)
+    logits, loss, _ = plain(idx, idx)
+    assert logits8.shape == logits.shape == (2, 8, 50) and logits8.dtype == torch.bfloat16
+    assert _cosine(logits8, logits) > 0.99 and abs(loss8.item() - loss.item()) < 0.05
+    fp8.eval(), plain.eval()
+    assert torch.equal(fp8(idx, idx)[0], plain(idx, idx)[0])  # evaluation is never FP8
+    fp8.train()
+    opt = torch.optim.AdamW(fp8.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        loss = fp8(idx, idx.roll(-1, dims=1))[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    # The training graph compiles with the FP8 product inside it (autograd.Function + torch._scaled_mm).
+    compiled = torch.compile(fp8, backend="aot_eager")
+    torch.testing.assert_close(compiled(idx, idx)[1], fp8(idx, idx)[1])
+
+
+def test_fp8_head_falls_back_with_a_notice_on_gpus_without_fp8(monkeypatch, capsys):
+    import train_gpt2
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 3090")
+    assert not train_gpt2.fp8_supported(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert train_gpt2.fp8_supported(torch.device("cuda")) and train_gpt2.fp8_supported(torch.device("cpu"))
+    monkeypatch.setattr(train_gpt2, "fp8_supported", lambda device: False)
+    model = GPT(with_overrides(TINY, vocab_size=64, fp8_head=True))
+    idx = torch.randint(0, 64, (2, 8))
+    assert model(idx, idx)[0].dtype == torch.float32  # the plain head ran
+    assert "fp8_head: NVIDIA GeForce RTX 3090 has no FP8 tensor cores (sm_89+); the head runs in bf16" in \
+        capsys.readouterr().err
