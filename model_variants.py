@@ -199,6 +199,24 @@ RECIPES: dict[str, dict] = {
 }
 
 
+# The P40 proxy of ../shared/BENCHMARKS.md (scripts/p40.sh): at most 40M training tokens, NoCap validation
+# of the proxy's val shard. Every model runs the reference schedule "d12@P40" unless its recipe has a P40
+# form here: that recipe with its budget cut to the proxy (flags on top of RECIPES, which still apply).
+P40_REFERENCE = dict(batch_size=16, grad_accumulation_steps=8, sequence_length=1024, num_iterations=300,
+                     learning_rate=6e-4, weight_decay=0.1, warmup_iters=64, warmdown_iters=96, val_loss_every=40,
+                     val_batch_size=16)
+P40_RECIPES: dict[str, dict] = {
+    # 200 steps of 32,768 tokens = 6.55M; d12_fast crosses d12@P40's final loss near 5.1M (docs/RESULTS.md).
+    "d12_fast": dict(batch_size=16, grad_accumulation_steps=2, sequence_length=1024, num_iterations=200,
+                     warmdown_iters=100, muon_momentum_warmup=60, val_loss_every=20, val_batch_size=16),
+}
+
+
+def p40_flags(name: str) -> list[str]:
+    """The trainer flags of a model's P40 run: its recipe's P40 form, or the d12@P40 reference schedule."""
+    return [f"--{flag}={value}" for flag, value in P40_RECIPES.get(name, P40_REFERENCE).items()]
+
+
 def get_variant(name: str) -> GPTConfig:
     """Exact lookup; an unknown name raises KeyError naming the closest registered names."""
     if name in VARIANTS:

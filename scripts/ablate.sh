@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The variants table: run each model at the P40 proxy config (scripts/p40.sh: same 40M tokens, same
-# schedule, same validation) and compare them. Default models: d12 and every registered d12_* variant.
+# The variants table: run each model at the P40 proxy config (scripts/p40.sh: the same data order and
+# validation; the d12@P40 reference schedule, or a recipe's P40 form for d12_fast) and compare them by the
+# time to d12's final P40 loss. Default models: d12 and every registered d12_* variant.
 #   bash scripts/ablate.sh DATA_DIR [MODEL ...] [-- extra train_gpt2.py flags, e.g. --seed 1]
 # DATA_DIR holds mix_train_000001.bin, mix_train_000002.bin and mix_val_000000.bin (decompressed from
 # ../shared/data/proxy). Output: logs/ablate-<time>/<model>/ per run, the table on stdout and a plot.

@@ -339,6 +339,23 @@ def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
         assert args.total_batch_size == (16384 if flag == "--total_batch_size" else None)
 
 
+def test_p40_schedules_are_the_reference_run_and_d12_fasts_measured_form():
+    from model_variants import p40_flags
+    from train_gpt2 import parse_args
+    d12 = vars(parse_args(["--model", "d12", *p40_flags("d12")]))
+    assert {k: d12[k] for k in ("grad_accumulation_steps", "num_iterations", "learning_rate", "weight_decay",
+                                "warmup_iters", "warmdown_iters", "optimizer")} == dict(
+        grad_accumulation_steps=8, num_iterations=300, learning_rate=6e-4, weight_decay=0.1, warmup_iters=64,
+        warmdown_iters=96, optimizer="adamw")
+    # d12_fast's P40 run: exactly the flags of the headline measurement in docs/RESULTS.md (FASTP40).
+    fast = vars(parse_args(["--model", "d12_fast", *p40_flags("d12_fast")]))
+    measured = dict(optimizer="muon", muon_lr=0.03, muon_momentum_warmup=60, learning_rate=0.008, embed_lr=0.3,
+                    scalar_lr=0.04, weight_decay=0.0, grad_accumulation_steps=2, num_iterations=200,
+                    warmup_iters=0, warmdown_iters=100, lr_floor=0.1, val_loss_every=20, total_batch_size=None,
+                    batch_size=16, sequence_length=1024, val_batch_size=16)
+    assert {k: fast[k] for k in measured} == measured
+
+
 def test_list_models(capsys):
     from model_variants import VARIANTS
     assert main(["--list_models"]) == 0
