@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num_iterations", type=int, default=4768, help="optimizer steps at most")
     g.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                    help="adamw: NoCap's, on every parameter; muon: torch.optim.Muon on the blocks' weight "
-                        "matrices, AdamW (--learning_rate) on embeddings, head and the rest")
+                        "matrices, AdamW on the rest (--learning_rate for the head, --embed_lr, --scalar_lr)")
     g.add_argument("--learning_rate", type=float, default=0.0018, help="peak AdamW learning rate")
     g.add_argument("--embed_lr", type=float, default=None,
                    help="--optimizer muon: peak AdamW learning rate of untied input embeddings (default "
@@ -617,8 +617,8 @@ class GPT(nn.Module):
         if not self.config.fp8_head:
             return False
         if not fp8_supported(h.device):
-            notice(f"fp8_head: {torch.cuda.get_device_name(h.device)} has no FP8 tensor cores (sm_89+); "
-                   "the head runs in bf16")
+            name = torch.cuda.get_device_name(h.device) if h.device.type == "cuda" else h.device.type
+            notice(f"fp8_head: {name} has no FP8 tensor cores (sm_89+); the head runs in bf16")
             return False
         return h[..., 0].numel() % 16 == 0 and h.size(-1) % 16 == 0  # _scaled_mm's shape rule
 
@@ -986,8 +986,9 @@ def make_optimizer(model: GPT, args, device: torch.device) -> Optimizers:
     taken |= {id(p) for p in scalars}
     rest = [p for p in model.parameters() if id(p) not in taken]
     groups = [dict(params=rest, lr=args.learning_rate),
-              dict(params=embeddings, lr=args.embed_lr or args.learning_rate),
-              dict(params=scalars, lr=args.scalar_lr or args.learning_rate, weight_decay=0.0)]
+              dict(params=embeddings, lr=args.learning_rate if args.embed_lr is None else args.embed_lr),
+              dict(params=scalars, lr=args.learning_rate if args.scalar_lr is None else args.scalar_lr,
+                   weight_decay=0.0)]
     return Optimizers([
         torch.optim.Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.weight_decay),
         torch.optim.AdamW([g for g in groups if g["params"]], **adamw),

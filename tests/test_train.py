@@ -125,6 +125,8 @@ def test_muon_recipe_gives_embeddings_and_scalars_their_own_adamw_groups():
     tied = GPT(with_overrides(TINY, vocab_size=64))
     args = build_parser().parse_args(["--optimizer", "muon", "--learning_rate", "0.003", "--embed_lr", "0.3"])
     assert [g["lr"] for g in make_optimizer(tied, args, torch.device("cpu")).optimizers[1].param_groups] == [0.003]
+    frozen = build_parser().parse_args(["--optimizer", "muon", "--embed_lr", "0"])  # 0 freezes, not "default"
+    assert 0.0 in [g["lr"] for g in make_optimizer(model, frozen, torch.device("cpu")).optimizers[1].param_groups]
 
 
 def test_muon_updates_are_orthogonalized():
