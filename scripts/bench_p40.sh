@@ -2,7 +2,7 @@
 # On the GPU machine: run the P40 benchmark for each run spec given, score each final checkpoint on the
 # real-FineWeb check shard, and print a table last (compare_runs.py: time to the first run's final loss).
 #   bash scripts/bench_p40.sh d12 [MODEL ...]                   one run per model, one after the other
-#   bash scripts/bench_p40.sh d12 "fast_lr3:d12_fast --muon_lr 0.03"   NAME:MODEL FLAGS... names a run
+#   bash scripts/bench_p40.sh d12 "fast_lr5:d12_fast --muon_lr 0.05"   NAME:MODEL FLAGS... names a run
 #   P40_FLAGS="--seed 1" P40_TAG=_seed1 ...    extra flags for every run, and a suffix for the run names
 #   P40_JOBS=4 ...     run up to 4 specs at once on the GPU (CUDA_VISIBLE_DEVICES picks it). For losses
 #                      only: concurrent runs share the GPU, so their tokens/s and times mean nothing.
