@@ -481,10 +481,13 @@ def fp8_supported(device: torch.device) -> bool:
 
 def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     """Whether torch._grouped_mm can run here: CUDA kernels take bf16 only (measured with torch 2.11 on
-    an H100: fp32 inputs fail, which is what the fp32 evaluation pass would give), the CPU one fp32/bf16."""
+    an H100: fp32 inputs fail, which is what the fp32 evaluation pass would give), the CPU one fp32/bf16,
+    and a compiled graph (traced through the op's shape function, which also insists on bf16) bf16 only."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    return dtype == torch.bfloat16 if device_type == "cuda" else dtype in (torch.float32, torch.bfloat16)
+    if device_type == "cuda" or torch.compiler.is_compiling():
+        return dtype == torch.bfloat16
+    return dtype in (torch.float32, torch.bfloat16)
 
 
 @torch.compiler.disable
@@ -527,7 +530,10 @@ class MoE(nn.Module):
         top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
         flat_experts = top_experts.flatten()  # (N*k,) assignment a belongs to token a // k
         order = flat_experts.argsort(stable=True)
-        counts = torch.bincount(flat_experts, minlength=self.n_experts)
+        # Assignments per expert. Not torch.bincount: its output size depends on the data, which breaks
+        # the compiled graph at every MoE layer (and syncs with the host); this count has a fixed shape.
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat_experts, torch.ones_like(flat_experts))
         load = counts.float() / flat_experts.numel()  # f_e: share of assignments per expert
         aux = self.n_experts * (load * probs.mean(dim=0)).sum()
 
