@@ -182,7 +182,7 @@ VARIANTS: dict[str, GPTConfig] = {
     # The measured-best recipe (docs/RESULTS.md has an ablation row for every field and flag it changes).
     "d12_fast": replace(
         D12, n_head=6,  # head_dim 128
-        # Tied head: 0.07 lower at P40 than untied over two seeds (docs/RESULTS.md), and 38.6M fewer parameters.
+        # Tied head: 0.07 lower at P40 than untied (five runs against four, docs/RESULTS.md), 38.6M fewer parameters.
         qk_norm=True, mlp_act="relu2", zero_init_proj=True, scale_attn_branch=False, tie_embeddings=True,
         logit_softcap=15.0, embed_norm=True, x0_mix=True, value_residual=True, unet_skips=True),
 }
