@@ -5,9 +5,13 @@
 
 Each module's forward and backward are timed through hooks, with the device synchronized at every
 boundary so that time lands on the part that spent it; a module's own share excludes its children.
-The step runs eagerly: torch.compile fuses across these boundaries, so a compiled step's time splits
-differently, but eager attribution is what names the expensive parts. A torch.profiler
-trace of the same steps (open it in chrome://tracing or ui.perfetto.dev) is written with --trace.
+That part table needs an eager step: torch.compile fuses across these boundaries. For the step as the
+trainer runs it, --compile compiles the model and replaces the part table with the kernel table.
+
+The kernel table (--kernels N, on by default) lists the N kernels (CUDA) or operators (CPU) with the most
+own time, from a torch.profiler pass over the same number of steps, and the share of the step that all
+kernels together keep the GPU busy (the rest is launch overhead and host work). A Chrome/Perfetto trace
+of that pass (chrome://tracing, ui.perfetto.dev) is written with --trace.
 """
 
 import argparse
@@ -16,9 +20,11 @@ import sys
 import time
 import warnings
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.autograd import DeviceType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from train_gpt2 import (GPT, MLP, Block, CausalSelfAttention, InputError, LatentAttention, MoE, Norm,  # noqa: E402
@@ -49,10 +55,10 @@ def part_of(name: str, module: nn.Module, parent: nn.Module | None) -> str | Non
 
 
 class PartTimer:
-    """Forward and backward hooks that charge each module's exclusive time to its part."""
+    """Forward and backward hooks that charge each module's exclusive time to its part, from construction on."""
 
     def __init__(self, model: GPT, device: torch.device):
-        self.device, self.enabled = device, False
+        self.device = device
         self.seconds: dict[str, float] = defaultdict(float)
         self.stack: list[list] = []  # [part, start, seconds spent in children]
         parents = {child: parent for parent in model.modules() for child in parent.children()}
@@ -66,12 +72,11 @@ class PartTimer:
             module.register_full_backward_hook(lambda m, grad_in, grad_out: self._exit())
 
     def _enter(self, part: str):
-        if self.enabled:
-            synchronize(self.device)
-            self.stack.append([part, time.perf_counter(), 0.0])
+        synchronize(self.device)
+        self.stack.append([part, time.perf_counter(), 0.0])
 
     def _exit(self):
-        if self.enabled and self.stack:
+        if self.stack:
             synchronize(self.device)
             part, start, children = self.stack.pop()
             elapsed = time.perf_counter() - start
@@ -80,12 +85,20 @@ class PartTimer:
                 self.stack[-1][2] += elapsed
 
     def charge(self, part: str, seconds: float):
-        if self.enabled:
-            self.seconds[part] += seconds
+        self.seconds[part] += seconds
 
 
-def profile(args) -> tuple[dict[str, float], float]:
-    """Per-part milliseconds per step and the measured step time, over args.steps steps after warm-up."""
+class Kernels(NamedTuple):
+    """The profiler pass: the slowest kernels as (name, calls per step, ms per step), the ms per step of all
+    kernels together, and the pass's own step time (the profiler slows the host: shares are of this)."""
+    rows: list[tuple[str, float, float]]
+    total_ms: float
+    step_ms: float
+
+
+def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
+    """Over args.steps steps after warm-up: per-part milliseconds per step (None when compiled), the
+    measured step time, and the kernel table's data (None with --kernels 0 and no --trace)."""
     device = pick_device(args.device)
     use_cuda = device.type == "cuda"
     config = resolve_model_config(args)
@@ -102,43 +115,67 @@ def profile(args) -> tuple[dict[str, float], float]:
             window = torch.randint(0, config.vocab_size, (B, T + 1), device=device)
             return window[:, :-1], window[:, 1:]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_cuda)
-    timer = PartTimer(model, device)
+    timer = None  # the part timer's hooks go in after the profiler pass, which they would only slow
+    forward = torch.compile(model) if args.compile else model
     warnings.filterwarnings("ignore", message="Full backward hook is firing")  # expected for GPT and wte
+
+    def charge(part: str, start: float):
+        if timer is not None:
+            synchronize(device)
+            timer.charge(part, time.perf_counter() - start)
 
     def step():
         for _ in range(args.grad_accumulation_steps):
-            synchronize(device)
+            if timer is not None:
+                synchronize(device)
             t0 = time.perf_counter()
             x, y = next_batch()
-            synchronize(device)
-            timer.charge("data loading", time.perf_counter() - t0)
+            charge("data loading", t0)
             with autocast:
-                _, loss, _ = model(x, y, return_logits=False)
+                _, loss, _ = forward(x, y, return_logits=False)
             (loss / args.grad_accumulation_steps).backward()
-        synchronize(device)
+        if timer is not None:
+            synchronize(device)
         t0 = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        charge("optimizer", t0)
+
+    def timed_steps() -> float:
         synchronize(device)
-        timer.charge("optimizer", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        synchronize(device)
+        return 1000 * (time.perf_counter() - t0) / args.steps
 
     for _ in range(args.warmup):
         step()
-    if args.trace:
+    kernels = None
+    if args.kernels or args.trace:
         from torch.profiler import ProfilerActivity, profile as torch_profile
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
         with torch_profile(activities=activities) as prof:
-            for _ in range(args.steps):
-                step()
-        prof.export_chrome_trace(args.trace)
-    timer.enabled = True
-    synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    synchronize(device)
-    step_ms = 1000 * (time.perf_counter() - t0) / args.steps
-    return {part: 1000 * timer.seconds[part] / args.steps for part in PARTS}, step_ms
+            profiled_step_ms = timed_steps()
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
+        rows = top_kernels(prof, args.steps, use_cuda)
+        kernels = Kernels(rows[:args.kernels], sum(ms for _, _, ms in rows), profiled_step_ms)
+    if not args.compile:
+        timer = PartTimer(model, device)
+    step_ms = timed_steps()
+    part_ms = None if timer is None else {part: 1000 * timer.seconds[part] / args.steps for part in PARTS}
+    return part_ms, step_ms, kernels
+
+
+def top_kernels(prof, steps: int, use_cuda: bool) -> list[tuple[str, float, float]]:
+    """Device kernels (CUDA) or operators (CPU) of a profiler run by own time, slowest first, as (name,
+    calls per step, ms per step). On CUDA only kernels count: an operator's own device time is its
+    kernels' time again."""
+    kind, own = (DeviceType.CUDA, "self_device_time_total") if use_cuda else (DeviceType.CPU, "self_cpu_time_total")
+    rows = [(event.key, event.count / steps, getattr(event, own) / 1000 / steps)
+            for event in prof.key_averages() if event.device_type == kind and getattr(event, own) > 0]
+    return sorted(rows, key=lambda row: -row[2])
 
 
 def format_table(title: str, part_ms: dict[str, float], step_ms: float) -> str:
@@ -154,6 +191,19 @@ def format_table(title: str, part_ms: dict[str, float], step_ms: float) -> str:
     return "\n".join(lines)
 
 
+def format_kernels(kernels: Kernels, device_type: str) -> str:
+    what = "kernels" if device_type == "cuda" else "operators"
+    lines = [f"{what} by own time (profiled steps: {kernels.step_ms:.2f} ms each)",
+             f"{'name':<72}{'calls/step':>11}{'ms/step':>10}{'%':>7}"]
+    for name, calls, ms in kernels.rows:
+        shown = name if len(name) <= 70 else name[:69] + "…"
+        lines.append(f"{shown:<72}{calls:>11.1f}{ms:>10.2f}{100 * ms / kernels.step_ms:>7.1f}")
+    # On a GPU the all-kernels share is how busy the step keeps it; the rest is launches and host work.
+    busy = 100 * kernels.total_ms / kernels.step_ms
+    lines.append(f"{'all ' + what:<72}{'':>11}{kernels.total_ms:>10.2f}{busy:>7.1f}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_flags(p)
@@ -163,7 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (allocator, cuDNN/cuBLAS choices)")
     p.add_argument("--input_bin", default=None, help="read real shards (default: random tokens)")
-    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the timed steps here")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model as the trainer does on a GPU; prints the kernel table only")
+    p.add_argument("--kernels", type=int, default=15, help="rows of the kernel table (0: no profiler pass)")
+    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the profiled steps here")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     return p
 
@@ -172,12 +225,20 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
 
     def run() -> int:
-        if args.steps < 1 or args.warmup < 0:
-            raise InputError("--steps must be >= 1 and --warmup >= 0")
-        part_ms, step_ms = profile(args)
-        print(format_table(f"{args.model}: {args.batch_size}x{args.sequence_length} tokens x "
-                           f"{args.grad_accumulation_steps} micro-batches, {pick_device(args.device).type}, eager",
-                           part_ms, step_ms))
+        if args.steps < 1 or args.warmup < 0 or args.kernels < 0:
+            raise InputError("--steps must be >= 1, --warmup and --kernels >= 0")
+        if args.compile and args.warmup < 1:
+            raise InputError("--compile needs --warmup >= 1: the first step compiles, and must not be timed")
+        device_type = pick_device(args.device).type
+        part_ms, step_ms, kernels = profile(args)
+        title = (f"{args.model}: {args.batch_size}x{args.sequence_length} tokens x {args.grad_accumulation_steps} "
+                 f"micro-batches, {device_type}, {'compiled' if args.compile else 'eager'}")
+        if part_ms is not None:
+            print(format_table(title, part_ms, step_ms))
+        else:
+            print(f"{title}\nstep: {step_ms:.2f} ms (the part table needs an eager step: drop --compile)")
+        if kernels is not None and args.kernels:
+            print(format_kernels(kernels, device_type))
         if args.trace:
             print(f"trace: {args.trace}")
         return 0

@@ -1,7 +1,8 @@
 """scripts/profile_model.py: every part of the step is timed, the parts add up to the step, time lands
-on the part that spends it, and the trace file is a Chrome trace."""
+on the part that spends it, the kernel table names the work, and the trace file is a Chrome trace."""
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -19,7 +20,7 @@ def args_for(*extra):
 
 
 def test_parts_cover_the_step(tmp_path):
-    part_ms, step_ms = profile_model.profile(args_for("--trace", str(tmp_path / "t.json")))
+    part_ms, step_ms, _ = profile_model.profile(args_for("--trace", str(tmp_path / "t.json")))
     assert set(part_ms) == set(profile_model.PARTS)
     assert all(ms >= 0 for ms in part_ms.values())
     for part in ("embedding", "attention projections", "attention core", "MLP / MoE", "norms", "head + loss",
@@ -32,8 +33,8 @@ def test_parts_cover_the_step(tmp_path):
 
 def test_time_lands_on_the_part_that_spends_it():
     # Shares of the step rather than milliseconds, so that a busy machine slowing everything cancels out.
-    small, small_step = profile_model.profile(args_for("--mlp_ratio", "1"))
-    big, big_step = profile_model.profile(args_for("--mlp_ratio", "32"))
+    small, small_step, _ = profile_model.profile(args_for("--mlp_ratio", "1"))
+    big, big_step, _ = profile_model.profile(args_for("--mlp_ratio", "32"))
     assert big["MLP / MoE"] / big_step > 2 * small["MLP / MoE"] / small_step
     assert big["attention core"] / big_step < small["attention core"] / small_step
 
@@ -41,10 +42,37 @@ def test_time_lands_on_the_part_that_spends_it():
 def test_real_shards_and_the_printed_table(tmp_path, shards, capsys):
     assert profile_model.main(["--model", "tiny", "--vocab_size", "256", "--batch_size", "2", "--sequence_length",
                                "16", "--steps", "1", "--warmup", "0", "--device", "cpu",
-                               "--input_bin", shards[0]]) == 0
+                               "--input_bin", shards[0], "--kernels", "0"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("tiny: 2x16 tokens") and out[-2].startswith("step")
+    assert out[0].startswith("tiny: 2x16 tokens") and out[0].endswith("eager") and out[-2].startswith("step")
     assert {line[:24].strip() for line in out[2:-3]} == set(profile_model.PARTS)
+
+
+def test_the_kernel_table_follows_the_work():
+    # On a CPU the "kernels" are operators: the matmuls must be there, slowest first, within the step;
+    # a 32x wider MLP must raise its activation's share.
+    shares = {}
+    for ratio in ("1", "32"):
+        _, _, kernels = profile_model.profile(args_for("--mlp_ratio", ratio, "--kernels", "1000"))
+        times = [ms for _, _, ms in kernels.rows]
+        assert times == sorted(times, reverse=True) and min(times) > 0
+        assert 0 < sum(times) == pytest.approx(kernels.total_ms) and kernels.total_ms <= kernels.step_ms * 1.05
+        rows = {name: (calls, ms) for name, calls, ms in kernels.rows}
+        assert "aten::mm" in rows and rows["aten::mm"][0] >= 2 * 3  # 2 layers x (qkv, proj, fc, ...) products
+        shares[ratio] = sum(ms for name, (_, ms) in rows.items() if "gelu" in name) / kernels.step_ms
+    assert shares["32"] > 2 * shares["1"]
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile on a CPU needs a C++ compiler")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch's own compile stack
+def test_the_compiled_step_gets_the_kernel_table(capsys):
+    assert profile_model.main(["--model", "tiny", "--vocab_size", "256", "--batch_size", "2", "--sequence_length",
+                               "16", "--steps", "1", "--warmup", "1", "--device", "cpu", "--compile",
+                               "--kernels", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu, compiled" in out and "unattributed" not in out  # no part table: hooks need an eager step
+    assert "CompiledFxGraph" in out  # inductor's generated code ran, and the table shows it
 
 
 def test_the_step_uses_the_models_own_optimizer(monkeypatch):
@@ -61,3 +89,6 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert profile_model.main(["--model", "tiny", "--device", "cpu", "--input_bin", str(tmp_path / "no*.bin")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--input_bin: no files match" in err[0]
+    assert profile_model.main(["--model", "tiny", "--device", "cpu", "--compile", "--warmup", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--compile needs --warmup >= 1" in err[0]
