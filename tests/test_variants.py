@@ -38,7 +38,7 @@ def next_token_logit_grads(model, idx, t):
 
 # d12_swa on CPU takes the dense-mask fallback (FlexAttention has no CPU backward), which prints a notice.
 @pytest.mark.parametrize("name", sorted(set(VARIANTS) - {"d12_swa"}))
-def test_every_variant_compiles_its_training_step_as_one_graph(name):
+def test_every_variant_traces_its_training_step_as_one_graph(name):
     # A graph break costs a host sync and a separately compiled piece per layer: torch.bincount in the MoE
     # router once split d12_moe's step at every layer. The training forward runs as on a GPU, in bf16.
     model = GPT(shrink(VARIANTS[name]) if name.startswith("d") else VARIANTS[name])
@@ -213,6 +213,16 @@ def test_compiled_moe_with_an_idle_expert_equals_eager():
     assert any("experts_one_by_one" in str(r.reason) for r in explanation.break_reasons)  # not traced
     compiled = torch.compile(lambda t: moe(t, use_grouped_mm=False)[0], backend="aot_eager")
     torch.testing.assert_close(compiled(x), eager)
+
+
+def test_compiled_fp32_moe_takes_the_per_expert_loop():
+    # Eager fp32 on a CPU groups the experts; a compiled graph cannot (the grouped matmul's shape function
+    # takes bf16 only), so there the loop runs, with the same result.
+    torch.manual_seed(0)
+    moe = MoE(with_overrides(TINY, moe_experts=4, moe_topk=2))
+    x = torch.randn(2, 16, 64)
+    compiled = torch.compile(lambda t: moe(t)[0], backend="aot_eager")
+    torch.testing.assert_close(compiled(x), moe(x)[0], rtol=1e-5, atol=1e-6)
 
 
 def test_moe_routes_each_token_to_exactly_topk_experts():
