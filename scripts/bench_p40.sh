@@ -4,8 +4,9 @@
 #   bash scripts/bench_p40.sh d12 [MODEL ...]                   one run per model, one after the other
 #   bash scripts/bench_p40.sh d12 "fast_lr5:d12_fast --muon_lr 0.05"   NAME:MODEL FLAGS... names a run
 #   P40_FLAGS="--seed 1" P40_TAG=_seed1 ...    extra flags for every run, and a suffix for the run names
-#   P40_JOBS=4 ...     run up to 4 specs at once on the GPU (CUDA_VISIBLE_DEVICES picks it). For losses
-#                      only: concurrent runs share the GPU, so their tokens/s and times mean nothing.
+#   P40_JOBS=2 ...     run up to 2 specs at once on the GPU (CUDA_VISIBLE_DEVICES picks it). For losses
+#                      only: concurrent runs share the GPU, so their tokens/s and times mean nothing. With
+#                      4-5 at once some runs died of CUDA launch failures on an H100 (docs/RESULTS.md).
 #   P40_QUICK=1 ...    throughput only: 30 steps, one 16k-token eval, no FineWeb check, no coordinate-
 #                      descent tuning
 # Expects .bench_data/ (see ../shared/BENCHMARKS.md: the proxy .xz shards + fwtextfixer_val_000000.bin).
