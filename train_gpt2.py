@@ -1264,6 +1264,13 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize(device)
 
 
+def graph_breaks() -> int:
+    """Graph breaks torch.compile has met in this process so far (dynamo counts each break once, when it
+    traces the code around it)."""
+    from torch._dynamo.utils import counters
+    return sum(counters["graph_break"].values())
+
+
 def warm_up_compile(model, raw_model, optimizer, loader, val, accumulation, args, autocast_ctx, env) -> float:
     """Run a few real training steps and one evaluation so torch.compile builds every graph on the real
     shapes, then put model, optimizer and data back exactly as they were. Returns the seconds spent."""
@@ -1273,8 +1280,13 @@ def warm_up_compile(model, raw_model, optimizer, loader, val, accumulation, args
     optimizer_state = copy.deepcopy(optimizer.state_dict())
     batches_drawn = loader.batches_drawn
     shard, position = loader.shard, loader.position
+    breaks_before = graph_breaks()
     for _ in range(3):
         train_step(model, optimizer, loader, accumulation, 1.0, autocast_ctx, env.world_size)
+    breaks = graph_breaks() - breaks_before
+    if breaks:  # what a new flag most easily costs: a separately compiled piece and a host round trip each
+        notice(f"torch.compile split the training step at {breaks} graph break(s); TORCH_LOGS=graph_breaks "
+               f"names them")
     model.eval()
     with torch.no_grad(), precision(env.device, args.val_dtype):  # the evaluation graph, in its precision
         x, y = next(iter(val))

@@ -479,6 +479,24 @@ def test_a_diverged_run_stops_at_once_without_a_checkpoint(tmp_path, shards, cap
     assert not list((tmp_path / "run").glob("ckpt_*.pt"))
 
 
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile on a CPU needs a C++ compiler")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch's own compile stack
+def test_compiled_run_trains_like_eager_and_reports_graph_breaks(tmp_path, shards, capsys):
+    # The compile warm-up trains 3 steps on real batches, then restores weights, optimizer and data: the
+    # compiled run's losses must be the eager run's. A graph break in the step gets a notice.
+    assert run(capsys, shards, tmp_path, "eager", "--no-compile")[0] == 0
+    code, out, err = run(capsys, shards, tmp_path, "compiled", "--compile")
+    assert code == 0 and "graph break" not in err
+    eager, compiled = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
+    assert compiled.keys() == eager.keys() and compiled == pytest.approx(eager, abs=2e-3)
+    summary = json.loads((tmp_path / "compiled" / "summary.json").read_text())
+    assert summary["compile_s"] > 0
+    # FlexAttention's block masks are built outside the graph (torch.compiler.disable): one break per forward.
+    code, _, err = run(capsys, shards, tmp_path, "broken", "--compile", "--attn_impl", "flex", "--window", "8")
+    assert code == 0 and "notice: torch.compile split the training step at" in err
+
+
 def test_progress_bar_on_a_terminal(tmp_path, shards):
     import pty
     master, slave = pty.openpty()
