@@ -82,7 +82,7 @@ def test_the_step_uses_the_models_own_optimizer(monkeypatch):
         [type(opt).__name__ for opt in self.optimizers]))
     profile_model.profile(args_for())
     profile_model.profile(args_for("--model", "d12_fast", "--n_layer", "2", "--n_embd", "64", "--n_head", "2"))
-    assert steps[0] == ["AdamW"] and steps[-1] == ["Muon", "AdamW"]  # tiny: NoCap's; d12_fast: its recipe's
+    assert steps[0] == ["AdamW"] and steps[-1] == ["BatchedMuon", "AdamW"]  # tiny: NoCap's; d12_fast: its recipe's
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):
