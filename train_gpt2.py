@@ -503,6 +503,22 @@ def experts_one_by_one(routed, counts, w_in, w_out, act: str) -> torch.Tensor:
     return torch.cat(out)
 
 
+class PermuteRows(torch.autograd.Function):
+    """x[order] for a permutation `order` whose inverse is given. Plain indexing's backward is a scatter-add
+    with atomics, since autograd cannot know the indices are distinct; a permutation's is the gather
+    grad[inverse]. The MoE moves every token through two of these per layer."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse):
+        ctx.save_for_backward(inverse, order)
+        return x[order]
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, order = ctx.saved_tensors
+        return PermuteRows.apply(grad, inverse, order), None, None
+
+
 class MoE(nn.Module):
     """Token-choice Mixture-of-Experts FFN, dropless: every token goes to its top-k experts, however
     unbalanced the routing. Tokens are sorted by expert and all experts run in one grouped matmul
@@ -529,7 +545,8 @@ class MoE(nn.Module):
         top_probs, top_experts = probs.topk(self.topk, dim=-1)  # (N, k)
         top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
         flat_experts = top_experts.flatten()  # (N*k,) assignment a belongs to token a // k
-        order = flat_experts.argsort(stable=True)
+        order = flat_experts.argsort(stable=True)  # assignments grouped by expert
+        inverse = order.argsort()
         # Assignments per expert. Not torch.bincount: its output size depends on the data, which breaks
         # the compiled graph at every MoE layer (and syncs with the host); this count has a fixed shape.
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
@@ -537,8 +554,8 @@ class MoE(nn.Module):
         load = counts.float() / flat_experts.numel()  # f_e: share of assignments per expert
         aux = self.n_experts * (load * probs.mean(dim=0)).sum()
 
-        token_of = order // self.topk
-        routed = tokens[token_of]  # (N*k, d), grouped by expert
+        copies = tokens.unsqueeze(1).expand(-1, self.topk, -1).reshape(-1, d)  # (N*k, d): assignment a's token
+        routed = PermuteRows.apply(copies, order, inverse)  # grouped by expert
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         if use_grouped_mm is None:
@@ -549,8 +566,9 @@ class MoE(nn.Module):
             out = torch._grouped_mm(mlp_activation(h, self.act), self.w_out.to(dtype), offs=offsets)
         else:
             out = experts_one_by_one(routed, counts, self.w_in, self.w_out, self.act)
-        weights = top_probs.flatten()[order].unsqueeze(-1)  # gate of each routed assignment
-        combined = torch.zeros_like(tokens, dtype=out.dtype).index_add_(0, token_of, out * weights.to(out.dtype))
+        # Back in assignment order, each token's k expert outputs are adjacent: weight them by the gates and sum.
+        out = PermuteRows.apply(out, inverse, order).view(-1, self.topk, d)
+        combined = (out * top_probs.unsqueeze(-1).to(out.dtype)).sum(dim=1)
         if self.shared is not None:
             combined = combined + self.shared(tokens)
         return combined.view(B, T, d).type_as(x), aux, load
@@ -902,6 +920,15 @@ class ValidationSet:
 def precision(device: torch.device, dtype: str):
     """The autocast context for "bf16", none (the weights' fp32) for "fp32"."""
     return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+
+
+def evaluation_compiles(config: GPTConfig, dtype: str) -> bool:
+    """Whether the evaluation pass in this precision traces as one graph. An MoE's does not in fp32: the
+    grouped matmul takes bf16 only, and the per-expert loop breaks the graph inside GPT.forward's loop over
+    the blocks, where dynamo gives up on the whole frame — for training's calls too, which from then on run
+    block by block (H100: d12_moe trained at 0.58x d12's tokens/s beside fp32 evaluation, 0.77x beside bf16;
+    docs/RESULTS.md). Such an evaluation runs the model eager."""
+    return not config.moe_block_indices or dtype == "bf16"
 
 
 @torch.no_grad()
@@ -1325,7 +1352,8 @@ def graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
-def warm_up_compile(model, raw_model, optimizer, loader, val, accumulation, args, autocast_ctx, env) -> float:
+def warm_up_compile(model, raw_model, eval_model, optimizer, loader, val, accumulation, args, autocast_ctx,
+                    env) -> float:
     """Run a few real training steps and one evaluation so torch.compile builds every graph on the real
     shapes, then put model, optimizer and data back exactly as they were. Returns the seconds spent."""
     synchronize(env.device)
@@ -1341,11 +1369,11 @@ def warm_up_compile(model, raw_model, optimizer, loader, val, accumulation, args
     if breaks:  # what a new flag most easily costs: a separately compiled piece and a host round trip each
         notice(f"torch.compile split the training step at {breaks} graph break(s); TORCH_LOGS=graph_breaks "
                f"names them")
-    model.eval()
+    eval_model.eval()
     with torch.no_grad(), precision(env.device, args.val_dtype):  # the evaluation graph, in its precision
         x, y = next(iter(val))
-        model(x, y, return_logits=False)
-    model.train()
+        eval_model(x, y, return_logits=False)
+    eval_model.train()
     raw_model.load_state_dict(model_state)
     optimizer.load_state_dict(optimizer_state)
     loader._set_position(shard, position)
@@ -1453,6 +1481,7 @@ def train(args) -> int:
     if env.world_size > 1:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    eval_model = model if evaluation_compiles(config, args.val_dtype) else raw_model
     # NoCap: bf16 autocast on CUDA; CPU runs stay in fp32 so tests are exact.
     autocast_ctx = precision(env.device, "bf16" if env.device.type == "cuda" else "fp32")
 
@@ -1470,8 +1499,8 @@ def train(args) -> int:
     compile_s = 0.0
     if use_compile:
         log.print("compiling (warm-up steps on real batches, then state is restored)...")
-        compile_s = warm_up_compile(model, raw_model, optimizer, train_loader, val, accumulation, args,
-                                    autocast_ctx, env)
+        compile_s = warm_up_compile(model, raw_model, eval_model, optimizer, train_loader, val, accumulation,
+                                    args, autocast_ctx, env)
         log.print(f"compile warm-up: {compile_s:.1f}s")
 
     flops_token, peak = flops_per_token(raw_model, T), peak_flops(env.device)
@@ -1513,7 +1542,7 @@ def train(args) -> int:
             eval_due = last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0)
             if eval_due and not (step == start_step and evaluated_at_start):
                 t0 = time.perf_counter()
-                final_val_loss = evaluate(model, val, env.world_size, args.val_dtype)
+                final_val_loss = evaluate(eval_model, val, env.world_size, args.val_dtype)
                 eval_s = time.perf_counter() - t0
                 eval_time_s += eval_s
                 evaluated = True

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from model_variants import D12, TINY, VARIANTS, GPTConfig, with_overrides
-from train_gpt2 import GPT, MLP, MoE, causal_attention, causal_mask, grouped_mm_supported
+from train_gpt2 import (GPT, MLP, MoE, PermuteRows, causal_attention, causal_mask, evaluation_compiles,
+                        grouped_mm_supported, precision)
 
 # FlexAttention runs unfused on CPU and says so; that is expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -223,6 +224,44 @@ def test_compiled_fp32_moe_takes_the_per_expert_loop():
     x = torch.randn(2, 16, 64)
     compiled = torch.compile(lambda t: moe(t)[0], backend="aot_eager")
     torch.testing.assert_close(compiled(x), moe(x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_permute_rows_backward_is_the_inverse_permutation():
+    torch.manual_seed(0)
+    order = torch.randperm(6)
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.equal(PermuteRows.apply(x, order, order.argsort()), x[order])
+    assert torch.autograd.gradcheck(lambda t: PermuteRows.apply(t, order, order.argsort()), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: PermuteRows.apply(t, order, order.argsort()), (x,))
+
+
+@pytest.mark.parametrize("val_dtype", ["fp32", "bf16"])
+def test_evaluating_a_compiled_moe_leaves_the_training_graph_whole(val_dtype):
+    # In fp32 an MoE's compiled evaluation breaks its graph inside GPT.forward's loop over the blocks, and
+    # dynamo then drops the whole frame, training's compiled graph with it: the next training call compiles
+    # block by block. The trainer evaluates such a model eager (evaluation_compiles), so training never
+    # compiles again.
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = with_overrides(TINY, vocab_size=64, moe_experts=4, moe_topk=2)
+    model = GPT(config)
+    compiled = torch.compile(model, backend="aot_eager")
+    eval_model = compiled if evaluation_compiles(config, val_dtype) else model
+    idx = torch.randint(0, 64, (2, 16))
+
+    def train():
+        model.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # training's precision on a GPU
+            compiled(idx, idx)[1].backward()
+    train()
+    graphs = counters["stats"]["unique_graphs"]
+    model.eval()
+    with torch.no_grad(), precision(idx.device, val_dtype):
+        eval_model(idx, idx)
+    train()
+    assert counters["stats"]["unique_graphs"] - graphs == (1 if val_dtype == "bf16" else 0)  # bf16: its own graph
+    assert evaluation_compiles(TINY, "fp32")  # no MoE: every evaluation compiles
 
 
 def test_moe_routes_each_token_to_exactly_topk_experts():
