@@ -173,7 +173,7 @@ def plot(runs: list[dict], target: float, path: str):
         by_time.plot([r["train_time_s"] for r in evals], [r["val_loss"] for r in evals], label=run["name"])
         by_tokens.plot([r["tokens"] / 1e6 for r in evals], [r["val_loss"] for r in evals], label=run["name"])
     for axis, xlabel in ((by_time, "training time (s)"), (by_tokens, "tokens (M)")):
-        axis.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target}")
+        axis.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:.4f}")
         axis.set_xlabel(xlabel)
         axis.set_ylabel("val loss")
         axis.grid(alpha=0.3)
