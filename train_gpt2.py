@@ -996,7 +996,7 @@ class Optimizers:
 class BatchedMuon(torch.optim.Muon):
     """torch.optim.Muon's update (momentum, Nesterov, Newton-Schulz, decoupled weight decay, the
     sqrt(max(1, rows/cols)) learning-rate scale), computed for all matrices of one shape at once.
-    torch.optim.Muon orthogonalizes one matrix at a time, ~15 small matmuls each: for d12_fast's 72
+    torch.optim.Muon orthogonalizes one matrix at a time, ~15 small matmuls each: for d12_fast's 48
     matrices that is ~1,000 kernel launches and 27.6 ms per optimizer step on an H100, with the GPU mostly
     waiting on the host (docs/RESULTS.md). Stacked by shape, Newton-Schulz is 15 batched matmuls per
     shape. The state (one momentum_buffer per parameter) and the checkpoints are torch.optim.Muon's."""
