@@ -1620,8 +1620,9 @@ def train(args) -> int:
     if env.world_size > 1:
         # Drop the DDP wrapper while the process group is still registered: if its reducer held the last
         # reference, the group would be destroyed under the GIL while a gloo worker thread waits for the
-        # GIL to free a tensor — a teardown deadlock seen in ~1 of 5 two-process CPU runs.
-        del model
+        # GIL to free a tensor — a teardown deadlock seen in ~1 of 5 two-process CPU runs. Every name
+        # that holds the wrapper goes.
+        del model, eval_model
         dist.destroy_process_group()
     if status == "diverged":
         return 1
