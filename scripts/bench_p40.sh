@@ -44,8 +44,9 @@ bench_one() {
   name=$(run_name "$spec")
   read -r -a words <<< "${spec#*:}"
   rm -rf "${runs:?}/$name"
+  # --line-buffered: a run cut by a time limit keeps in its log what it printed (a block-buffered grep lost it)
   bash scripts/p40.sh "${words[0]}" --output_dir "$runs" --run_name "$name" "${quick[@]}" ${P40_FLAGS:-} \
-    "${words[@]:1}" 2>&1 | grep -v -E "^step:[0-9]+/[0-9]+ \| loss" > "$out/$name.log"
+    "${words[@]:1}" 2>&1 | grep --line-buffered -v -E "^step:[0-9]+/[0-9]+ \| loss" > "$out/$name.log"
   if [ "${P40_QUICK:-0}" = 1 ]; then
     echo "val_loss: nan" > "$runs/$name/fineweb_check.txt"
   elif ls "$runs/$name"/ckpt_*.pt > /dev/null 2>&1; then
