@@ -50,6 +50,9 @@ class GPTConfig:
     # Training-time lm_head products in FP8 (e4m3 inputs, e5m2 gradients, per-tensor scales) on GPUs with FP8
     # tensor cores (sm_89+: RTX 4090, H100); bf16 elsewhere, with a notice. Evaluation never uses FP8.
     fp8_head: bool = False
+    # Training loss of the head as one autograd function that computes the logits' gradient in the forward
+    # pass (HeadCrossEntropy): same math, fewer passes over the (tokens, vocab) logits. Not with the FP8 head.
+    fused_head_loss: bool = False
     # --- the rest ---------------------------------------------------------------------------------
     norm: str = "rms"  # "rms" (parameter-free, NoCap), "rms_gain" (learned gain), "layer" (LayerNorm)
     norm_eps: float = 1e-6

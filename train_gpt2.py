@@ -201,11 +201,23 @@ def check_run_flags(args):
 _notices_shown: set[str] = set()
 
 
+# Notices are raised inside the model's forward too (a kernel that falls back). Traced by torch.compile,
+# the print would split the graph there, and a split inside the loop over blocks makes dynamo run the
+# rest of the forward uncompiled (d12_flash: 61.7 instead of ~35 ms per step on an H100). Marked as a
+# constant result, the call runs once while dynamo traces and leaves nothing in the graph.
+@torch._dynamo.assume_constant_result
 def notice(message: str):
     """A one-line notice on stderr, shown once per process (kernel fallbacks and the like)."""
     if message not in _notices_shown and int(os.environ.get("RANK", "0")) == 0:
         _notices_shown.add(message)
         print(f"notice: {message}", file=sys.stderr, flush=True)
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype matmul-class ops (linear, SDPA, grouped mm) compute t in: autocast's where autocast is on.
+    Elementwise ops promote (bf16 q times fp32 rotary tables is fp32), so t.dtype alone can mislead."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
 
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -270,17 +282,21 @@ _flex_masks: dict = {}
 
 
 @torch.compiler.disable
-def flex_block_mask(T: int, window: int, device: torch.device):
-    """FlexAttention's block-sparse mask for causal (windowed) attention; built eagerly, outside any
-    compiled graph, and cached per shape."""
-    key = (T, window, str(device))
-    if key not in _flex_masks:
-        from torch.nn.attention.flex_attention import create_block_mask
+def flex_block_masks(T: int, windows, device: torch.device) -> dict:
+    """FlexAttention's block-sparse masks for causal attention, one per window in windows (0: no window),
+    built eagerly and cached per shape. Kept out of the compiled graph; called once at the top of the
+    forward, where the split it makes is resumable (a call per window inside a loop would not be)."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
+    def causal_within(window: int):
         def mask_mod(b, h, q, kv):
             return (kv <= q) & (q - kv < window) if window else kv <= q
-        _flex_masks[key] = create_block_mask(mask_mod, None, None, T, T, device=device)
-    return _flex_masks[key]
+        return mask_mod
+    for window in windows:
+        key = (T, window, str(device))
+        if key not in _flex_masks:
+            _flex_masks[key] = create_block_mask(causal_within(window), None, None, T, T, device=device)
+    return {window: _flex_masks[(T, window, str(device))] for window in windows}
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, window: int = 0,
@@ -300,7 +316,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
     if impl == "flex":
         if not (q.device.type == "cpu" and q.requires_grad):
             from torch.nn.attention.flex_attention import flex_attention
-            block_mask = block_mask if block_mask is not None else flex_block_mask(q.size(-2), window, q.device)
+            block_mask = block_mask if block_mask is not None else flex_block_masks(q.size(-2), (window,), q.device)[window]
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=grouped)
         dense_mask_reason = "FlexAttention has no backward on CPU"
     elif window:
@@ -310,7 +326,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
                + ("" if impl == "flex" else " — use --attn_impl flex"))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q.size(-2), window, q.device),
                                               enable_gqa=grouped)
-    if impl == "flash" and q.is_cuda and q.dtype == torch.float32:
+    if impl == "flash" and q.is_cuda and compute_dtype(q) == torch.float32:
         notice("attn_impl=flash has no fp32 kernel on CUDA; fp32 passes (evaluation) use SDPA's own choice")
     elif impl == "flash":
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -471,6 +487,44 @@ class FP8Matmul(torch.autograd.Function):
         return grad_x.to(ctx.x_dtype), grad_w
 
 
+class HeadCrossEntropy(torch.autograd.Function):
+    """The training loss of the head in one piece: mean cross-entropy of the (softcapped) logits
+    cap * tanh(h @ w.T / cap) over the targets that are not -1, with the gradient w.r.t. the logits
+    computed in the forward pass. Autograd's version of the same math keeps the (N, vocab) logits and
+    passes over them three more times in the backward (log-softmax's, tanh's and the cast's backward);
+    here the backward is the two head products only. Products in `dtype` (bf16 under autocast), the
+    softmax in at least fp32. Shapes: h (N, d), w (V, d), targets (N,)."""
+
+    @staticmethod
+    def forward(ctx, h, w, targets, cap: float, dtype: torch.dtype):
+        h_c, w_c = h.to(dtype), w.to(dtype)
+        logits = (h_c @ w_c.t()).to(torch.promote_types(dtype, torch.float32))
+        if cap:
+            squashed = torch.tanh(logits / cap)
+            logits = cap * squashed
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        valid = (targets != -1).unsqueeze(1)
+        safe_targets = targets.clamp(min=0).unsqueeze(1)
+        count = valid.sum()
+        loss = ((lse - logits.gather(1, safe_targets)) * valid).sum() / count
+        # d loss / d logits = (softmax - one_hot(target)) / count, times d logits / d(h @ w.T) under the cap.
+        one_hot = torch.zeros_like(logits).scatter_(1, safe_targets, 1.0)
+        grad = (torch.exp(logits - lse) - one_hot) * (valid.to(logits.dtype) / count)
+        if cap:
+            grad = grad * (1 - squashed * squashed)
+        ctx.save_for_backward(h_c, w_c, grad.to(dtype))
+        ctx.dtypes = h.dtype, w.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        h_c, w_c, grad = ctx.saved_tensors
+        # The incoming scalar scales the two (N, d) and (V, d) products, not the (N, V) gradient.
+        grad_h = (grad @ w_c) * grad_loss
+        grad_w = (grad.t() @ h_c) * grad_loss
+        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
+
+
 def fp8_supported(device: torch.device) -> bool:
     """FP8 tensor cores: CUDA compute capability 8.9 or newer (RTX 4090, H100; not A100 or RTX 3090).
     torch._scaled_mm also runs on CPU, which keeps the path testable there."""
@@ -556,10 +610,9 @@ class MoE(nn.Module):
 
         copies = tokens.unsqueeze(1).expand(-1, self.topk, -1).reshape(-1, d)  # (N*k, d): assignment a's token
         routed = PermuteRows.apply(copies, order, inverse)  # grouped by expert
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        dtype = compute_dtype(x)
         if use_grouped_mm is None:
-            use_grouped_mm = grouped_mm_supported(device, dtype)
+            use_grouped_mm = grouped_mm_supported(x.device.type, dtype)
         if use_grouped_mm:
             offsets = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
             h = torch._grouped_mm(routed.to(dtype), self.w_in.to(dtype), offs=offsets)
@@ -597,6 +650,11 @@ class Block(nn.Module):
             y, aux, load = self.mlp(self.norm_mlp(x))
             return x + y, values, (aux, load)
         return x + self.mlp(self.norm_mlp(x)), values, None
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits (..., vocab) against targets (...), -1 ignored."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 
 class GPT(nn.Module):
@@ -637,6 +695,16 @@ class GPT(nn.Module):
             logits = cap * torch.tanh(logits.float() / cap)
         return logits
 
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor, fp8: bool = False) -> torch.Tensor:
+        """Mean cross-entropy of the head over hidden states h (B, T, n_embd) against targets (B, T), -1
+        ignored; fp8 asks for the FP8 head. With fused_head_loss, a pass that builds a gradient takes
+        HeadCrossEntropy (same math, fewer passes over the logits); everything else goes through logits."""
+        fp8 = fp8 and self.use_fp8_head(h)
+        if self.config.fused_head_loss and torch.is_grad_enabled() and not fp8:
+            return HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1),
+                                          self.config.logit_softcap, compute_dtype(h))
+        return cross_entropy(self.logits(h, fp8), targets)
+
     def use_fp8_head(self, h: torch.Tensor) -> bool:
         if not self.config.fp8_head:
             return False
@@ -666,7 +734,7 @@ class GPT(nn.Module):
         cos, sin = self.rotary(T, start) if self.rotary is not None else (None, None)
         block_masks = None
         if c.attn_impl == "flex" and cache is None:  # one mask per distinct window (local and global layers)
-            block_masks = {w: flex_block_mask(T, w, idx.device) for w in {c.layer_window(i) for i in range(c.n_layer)}}
+            block_masks = flex_block_masks(T, sorted({c.layer_window(i) for i in range(c.n_layer)}), idx.device)
         x = self.transformer.wte(idx)  # (B, T, n_embd)
         if c.pos == "learned":
             x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
@@ -695,8 +763,11 @@ class GPT(nn.Module):
         aux = {}
         if targets is None:
             return self.logits(h[:, [-1], :]), None, aux  # inference: only the last position
-        logits = self.logits(h, fp8=self.training)  # (B, T, vocab)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        if return_logits:
+            logits = self.logits(h, fp8=self.training)  # (B, T, vocab)
+            loss = cross_entropy(logits, targets)
+        else:
+            logits, loss = None, self.head_loss(h, targets, fp8=self.training)
         if self.training:
             objective = loss
             aux["next_token_loss"] = loss.detach()
@@ -704,9 +775,7 @@ class GPT(nn.Module):
                 mtp_losses = []
                 for j, proj in enumerate(self.mtp_proj, start=1):
                     # Position t predicts token t+1+j, i.e. targets[t + j]; the last j positions have none.
-                    extra = self.logits(self.norm_f(proj(h[:, :-j])), fp8=True)
-                    mtp_losses.append(F.cross_entropy(extra.reshape(-1, extra.size(-1)), targets[:, j:].reshape(-1),
-                                                      ignore_index=-1))
+                    mtp_losses.append(self.head_loss(self.norm_f(proj(h[:, :-j])), targets[:, j:], fp8=True))
                     aux[f"mtp_loss_{j}"] = mtp_losses[-1].detach()
                 objective = objective + c.mtp_weight * torch.stack(mtp_losses).mean()
             if moe_terms:
@@ -715,7 +784,7 @@ class GPT(nn.Module):
                 aux["moe_load"] = torch.stack([load for _, load in moe_terms]).mean(dim=0).detach()
                 objective = objective + c.moe_aux_weight * moe_aux
             loss = objective
-        return (logits if return_logits else None), loss, aux
+        return logits, loss, aux
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from model_variants import D12, TINY, VARIANTS, GPTConfig, with_overrides
-from train_gpt2 import (GPT, MLP, MoE, PermuteRows, causal_attention, causal_mask, evaluation_compiles,
+from train_gpt2 import (GPT, MLP, MoE, PermuteRows, causal_attention, causal_mask, compute_dtype, evaluation_compiles,
                         grouped_mm_supported, precision)
 
 # FlexAttention runs unfused on CPU and says so; that is expected here.
@@ -37,17 +37,25 @@ def next_token_logit_grads(model, idx, t):
     return captured["emb"].grad
 
 
-# d12_swa on CPU takes the dense-mask fallback (FlexAttention has no CPU backward), which prints a notice.
-@pytest.mark.parametrize("name", sorted(set(VARIANTS) - {"d12_swa"}))
-def test_every_variant_traces_its_training_step_as_one_graph(name):
-    # A graph break costs a host sync and a separately compiled piece per layer: torch.bincount in the MoE
-    # router once split d12_moe's step at every layer. The training forward runs as on a GPU, in bf16.
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_every_variant_compiles_its_training_step_whole(name):
+    # A graph break costs a host sync and a separately compiled piece, and one inside the loop over blocks
+    # makes dynamo run the rest of the forward uncompiled: torch.bincount in the MoE router once split
+    # d12_moe's step at every layer, and a fallback notice printed inside attention split d12_flash's.
+    # FlexAttention's block masks are built eagerly, once, before the blocks: the only split allowed.
+    # (d12_swa on CPU takes the dense-mask fallback, whose notice must not split it either.)
+    # The training forward runs as on a GPU, in bf16.
     model = GPT(shrink(VARIANTS[name]) if name.startswith("d") else VARIANTS[name])
     x = torch.randint(0, model.config.vocab_size, (2, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         explanation = torch._dynamo.explain(lambda idx, targets: model(idx, targets)[1])(x, x)
-    assert explanation.graph_break_count == 0, [str(r.reason)[:200] for r in explanation.break_reasons]
-    assert explanation.graph_count == 1
+    breaks = [str(r.reason)[:300] for r in explanation.break_reasons]
+    if model.config.attn_impl == "flex":
+        assert len(breaks) == 1 and "flex_block_masks" in breaks[0], breaks
+        assert explanation.graph_count == 2
+    else:
+        assert breaks == []
+        assert explanation.graph_count == 1
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -145,6 +153,27 @@ def test_sdpa_with_a_window_falls_back_with_one_notice(capsys):
         causal_attention(q, q, q, "sdpa", window=3)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("notice: attn_impl=sdpa has no sliding-window kernel")
+
+
+def test_a_notice_inside_a_compiled_forward_neither_splits_it_nor_goes_missing(capsys):
+    # Fallback notices are printed inside the model. Traced as a print, one split d12_flash's compiled
+    # step (61.7 instead of ~35 ms per step on an H100); dynamo now makes the call after the graph runs.
+    import train_gpt2
+    train_gpt2._notices_shown.clear()
+    q = torch.randn(1, 2, 8, 4)
+    explanation = torch._dynamo.explain(lambda t: causal_attention(t, t, t, "sdpa", window=3) * 2)(q)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("notice: attn_impl=sdpa has no sliding-window kernel")
+
+
+def test_compute_dtype_is_autocasts_where_autocast_is_on():
+    # bf16 q times the fp32 rotary tables is an fp32 q, which SDPA under autocast still computes in bf16:
+    # the flash backend's fp32 fallback looked at q.dtype and so never forced flash in bf16 training.
+    x = torch.ones(2, dtype=torch.bfloat16) * torch.ones(2)
+    assert x.dtype == torch.float32 and compute_dtype(x) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compute_dtype(x) == torch.bfloat16
 
 
 def test_swiglu_matches_gelu_mlp_parameters():
@@ -578,3 +607,52 @@ def test_fp8_head_falls_back_with_a_notice_on_gpus_without_fp8(monkeypatch, caps
     idx = torch.randint(0, 64, (2, 8))
     assert model(idx, idx)[0].dtype == torch.float32  # the plain head ran
     assert "fp8_head: cpu has no FP8 tensor cores (sm_89+); the head runs in bf16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cap", [0.0, 3.0])
+def test_head_cross_entropy_matches_autograd_through_the_logits(cap):
+    # The fused head loss computes d loss / d logits itself; it must equal autograd's gradient through
+    # the (softcapped) logits, with ignored targets and an incoming gradient other than 1.
+    from train_gpt2 import HeadCrossEntropy
+    torch.manual_seed(0)
+    h = torch.randn(12, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 10, (12,))
+    targets[[2, 7]] = -1
+    logits = h @ w.t()
+    logits = cap * torch.tanh(logits / cap) if cap else logits
+    reference = F.cross_entropy(logits, targets, ignore_index=-1)
+    (2.5 * reference).backward()
+    expected = reference.detach(), h.grad.clone(), w.grad.clone()
+    h.grad, w.grad = None, None
+    fused = HeadCrossEntropy.apply(h, w, targets, cap, torch.float64)
+    (2.5 * fused).backward()
+    for got, want in zip((fused.detach(), h.grad, w.grad), expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda a, b: HeadCrossEntropy.apply(a, b, targets, cap, torch.float64), (h, w))
+
+
+def test_fused_head_loss_trains_like_the_plain_head_and_only_where_a_gradient_is_built(monkeypatch):
+    import train_gpt2
+    calls = []
+    apply = train_gpt2.HeadCrossEntropy.apply
+    monkeypatch.setattr(train_gpt2.HeadCrossEntropy, "apply", lambda *a: calls.append(1) or apply(*a))
+    torch.manual_seed(0)
+    config = with_overrides(TINY, logit_softcap=15.0, mtp_k=1)
+    plain, fused = GPT(config), GPT(with_overrides(config, fused_head_loss=True))
+    fused.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, config.vocab_size, (2, 16))
+    targets = idx.roll(-1, dims=1)
+    for model in (plain, fused):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(idx, targets, return_logits=False)[1].backward()
+    assert len(calls) == 2  # the fused model's next-token and MTP losses; none for the plain model
+    for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0.05, atol=2e-3, msg=name)
+    # Evaluation builds no gradient: the plain head. Asking for the logits needs them: the next-token
+    # loss takes the plain head, the MTP loss (whose logits are never returned) still the fused one.
+    with torch.no_grad():
+        fused(idx, targets, return_logits=False)
+    assert len(calls) == 2
+    fused(idx, targets)
+    assert len(calls) == 3
