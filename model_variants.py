@@ -202,7 +202,10 @@ RECIPES: dict[str, dict] = {
     "d12_fast": dict(
         optimizer="muon", muon_lr=0.03, muon_momentum_warmup=300, learning_rate=0.008, embed_lr=0.3,
         scalar_lr=0.04, weight_decay=0.0, total_batch_size=262144, num_iterations=2000, warmup_iters=0,
-        warmdown_iters=1000, lr_floor=0.1, val_loss_every=125),
+        warmdown_iters=1000, lr_floor=0.1, val_loss_every=125,
+        # Inductor's coordinate-descent tuning (NoCap's setting, d12's default): +0.4% tokens/s for 96 s more
+        # compile on an H100 (docs/RESULTS.md) — about 5 s saved over the ~21-minute run. Off.
+        coordinate_descent_tuning=False),
 }
 
 

@@ -1708,8 +1708,15 @@ def list_models() -> str:
         rows.append(f"{name:<11}{config.n_layer:>7}{config.n_head:>6}{config.kv_heads:>4}{config.n_embd:>6}"
                     f"{model.num_params() / 1e6:>8.1f}M{model.active_params() / 1e6:>8.1f}M  {changed}")
     for name, recipe in RECIPES.items():
-        rows.append(f"--model {name} also sets: " + " ".join(f"--{flag} {value}" for flag, value in recipe.items()))
+        rows.append(f"--model {name} also sets: " + " ".join(flag_text(flag, value) for flag, value in recipe.items()))
     return "\n".join(rows)
+
+
+def flag_text(flag: str, value) -> str:
+    """How a flag with this value is written on the command line (on/off flags as --x / --no-x)."""
+    if isinstance(value, bool):
+        return f"--{flag}" if value else f"--no-{flag}"
+    return f"--{flag} {value}"
 
 
 def report_input_errors(action) -> int:

@@ -49,18 +49,16 @@ def test_real_shards_and_the_printed_table(tmp_path, shards, capsys):
 
 
 def test_the_kernel_table_follows_the_work():
-    # On a CPU the "kernels" are operators: the matmuls must be there, slowest first, within the step;
-    # a 32x wider MLP must raise its activation's share.
-    shares = {}
-    for ratio in ("1", "32"):
-        _, _, kernels = profile_model.profile(args_for("--mlp_ratio", ratio, "--kernels", "1000"))
-        times = [ms for _, _, ms in kernels.rows]
-        assert times == sorted(times, reverse=True) and min(times) > 0
-        assert 0 < sum(times) == pytest.approx(kernels.total_ms) and kernels.total_ms <= kernels.step_ms * 1.05
-        rows = {name: (calls, ms) for name, calls, ms in kernels.rows}
-        assert "aten::mm" in rows and rows["aten::mm"][0] >= 2 * 3  # 2 layers x (qkv, proj, fc, ...) products
-        shares[ratio] = sum(ms for name, (_, ms) in rows.items() if "gelu" in name) / kernels.step_ms
-    assert shares["32"] > 2 * shares["1"]
+    # On a CPU the "kernels" are operators: slowest first, within the step, each counted per step. (Which
+    # operator takes what share is timing, left to test_time_lands_on_the_part_that_spends_it: a 32x wider
+    # MLP once failed a share check here on a busy 2-core machine, its activation being that small.)
+    _, _, kernels = profile_model.profile(args_for("--kernels", "1000"))
+    times = [ms for _, _, ms in kernels.rows]
+    assert times == sorted(times, reverse=True) and min(times) > 0
+    assert 0 < sum(times) == pytest.approx(kernels.total_ms) and kernels.total_ms <= kernels.step_ms * 1.05
+    calls = {name: n for name, n, _ in kernels.rows}
+    assert calls["aten::mm"] >= 2 * 3  # 2 layers x (qkv, proj, fc, ...) products
+    assert calls["aten::gelu"] == calls["aten::gelu_backward"] == 2  # one MLP activation per layer and step
 
 
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,

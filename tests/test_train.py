@@ -362,6 +362,9 @@ def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
     d12, fast = parse_args([]), parse_args(["--model", "d12_fast"])
     assert (d12.optimizer, d12.learning_rate, d12.total_batch_size) == ("adamw", 0.0018, None)
     assert (fast.optimizer, fast.total_batch_size, fast.lr_floor) == ("muon", 262144, 0.1)
+    assert d12.coordinate_descent_tuning and not fast.coordinate_descent_tuning  # on/off flags too
+    assert not parse_args(["--model=d12_fast", "--no-coordinate_descent_tuning"]).coordinate_descent_tuning
+    assert parse_args(["--model=d12_fast", "--coordinate_descent_tuning"]).coordinate_descent_tuning
     mine = parse_args(["--model=d12_fast", "--optimizer", "adamw", "--lr_floor", "0"])
     assert (mine.optimizer, mine.lr_floor, mine.muon_lr) == ("adamw", 0.0, fast.muon_lr)
     # Either batch flag replaces the recipe's batch size, so the two can never contradict each other.
@@ -394,6 +397,7 @@ def test_list_models(capsys):
     rows = {line.split()[0]: line for line in lines if not line.startswith("--model")}
     assert rows.keys() == VARIANTS.keys()
     assert lines[-1].startswith("--model d12_fast also sets: --optimizer muon")
+    assert lines[-1].endswith(" --no-coordinate_descent_tuning")  # written as the flag is typed
     assert rows["d12"].split()[5:7] == ["123.5M", "123.5M"]  # 50257*768 + 12*12*768^2, all active
     assert rows["d12_moe"].split()[5:7] == ["293.5M", "123.6M"] and "moe_experts=8" in rows["d12_moe"]
     assert rows["d12_gqa"].split()[3] == "4" and rows["d12_gqa"].endswith("n_kv_head=4")
