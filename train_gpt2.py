@@ -493,15 +493,23 @@ class HeadCrossEntropy(torch.autograd.Function):
     computed in the forward pass. Autograd's version of the same math keeps the (N, vocab) logits and
     passes over them three more times in the backward (log-softmax's, tanh's and the cast's backward);
     here the backward is the two head products only. Products in `dtype` (bf16 under autocast), the
-    softmax in at least fp32. Shapes: h (N, d), w (V, d), targets (N,)."""
+    softmax in at least fp32. Shapes: h (N, d), w (V, d), targets (N,).
+
+    The products run on the vocabulary padded with zero rows to a multiple of 64, the padded columns
+    masked out of the softmax: GPT-2's 50,257 is odd, which leaves every row of the logits unaligned and
+    sends cuBLAS to slower kernels (nanoGPT pads the embedding itself; here the parameters stay NoCap's)."""
 
     @staticmethod
     def forward(ctx, h, w, targets, cap: float, dtype: torch.dtype):
-        h_c, w_c = h.to(dtype), w.to(dtype)
-        logits = (h_c @ w_c.t()).to(torch.promote_types(dtype, torch.float32))
+        V = w.size(0)
+        h_c, w_c = h.to(dtype), F.pad(w.to(dtype), (0, 0, 0, -V % 64))
+        logits = (h_c @ w_c.t()).to(torch.promote_types(dtype, torch.float32))  # (N, V padded)
         if cap:
             squashed = torch.tanh(logits / cap)
             logits = cap * squashed
+        if w_c.size(0) > V:
+            padding = torch.arange(w_c.size(0), device=logits.device) >= V
+            logits = logits.masked_fill(padding, float("-inf"))  # exp() = 0: no probability, no gradient
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
         valid = (targets != -1).unsqueeze(1)
         safe_targets = targets.clamp(min=0).unsqueeze(1)
@@ -513,7 +521,7 @@ class HeadCrossEntropy(torch.autograd.Function):
         if cap:
             grad = grad * (1 - squashed * squashed)
         ctx.save_for_backward(h_c, w_c, grad.to(dtype))
-        ctx.dtypes = h.dtype, w.dtype
+        ctx.dtypes, ctx.vocab = (h.dtype, w.dtype), V
         return loss
 
     @staticmethod
@@ -521,7 +529,7 @@ class HeadCrossEntropy(torch.autograd.Function):
         h_c, w_c, grad = ctx.saved_tensors
         # The incoming scalar scales the two (N, d) and (V, d) products, not the (N, V) gradient.
         grad_h = (grad @ w_c) * grad_loss
-        grad_w = (grad.t() @ h_c) * grad_loss
+        grad_w = (grad.t() @ h_c)[:ctx.vocab] * grad_loss
         return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
 
 

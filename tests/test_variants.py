@@ -610,14 +610,15 @@ def test_fp8_head_falls_back_with_a_notice_on_gpus_without_fp8(monkeypatch, caps
 
 
 @pytest.mark.parametrize("cap", [0.0, 3.0])
-def test_head_cross_entropy_matches_autograd_through_the_logits(cap):
+@pytest.mark.parametrize("vocab", [10, 64])  # padded to 64 for the products (masked), and not padded
+def test_head_cross_entropy_matches_autograd_through_the_logits(cap, vocab):
     # The fused head loss computes d loss / d logits itself; it must equal autograd's gradient through
     # the (softcapped) logits, with ignored targets and an incoming gradient other than 1.
     from train_gpt2 import HeadCrossEntropy
     torch.manual_seed(0)
     h = torch.randn(12, 8, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
-    targets = torch.randint(0, 10, (12,))
+    w = torch.randn(vocab, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, vocab, (12,))
     targets[[2, 7]] = -1
     logits = h @ w.t()
     logits = cap * torch.tanh(logits / cap) if cap else logits
