@@ -205,7 +205,7 @@ RECIPES: dict[str, dict] = {
         scalar_lr=0.04, weight_decay=0.0, total_batch_size=262144, num_iterations=2000, warmup_iters=0,
         warmdown_iters=1000, lr_floor=0.1, val_loss_every=125,
         # Inductor's coordinate-descent tuning (NoCap's setting, d12's default): +0.4% tokens/s for 96 s more
-        # compile on an H100 (docs/RESULTS.md) — about 5 s saved over the ~21-minute run. Off.
+        # compile on an H100 (docs/RESULTS.md) — about 5 s saved over the ~20-minute run. Off.
         coordinate_descent_tuning=False),
 }
 

@@ -316,7 +316,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
     if impl == "flex":
         if not (q.device.type == "cpu" and q.requires_grad):
             from torch.nn.attention.flex_attention import flex_attention
-            block_mask = block_mask if block_mask is not None else flex_block_masks(q.size(-2), (window,), q.device)[window]
+            if block_mask is None:
+                block_mask = flex_block_masks(q.size(-2), (window,), q.device)[window]
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=grouped)
         dense_mask_reason = "FlexAttention has no backward on CPU"
     elif window:

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from model_variants import D12, TINY, VARIANTS, GPTConfig, with_overrides
-from train_gpt2 import (GPT, MLP, MoE, PermuteRows, causal_attention, causal_mask, compute_dtype, evaluation_compiles,
-                        grouped_mm_supported, precision)
+from train_gpt2 import (GPT, MLP, MoE, PermuteRows, causal_attention, causal_mask, compute_dtype,
+                        evaluation_compiles, grouped_mm_supported, precision)
 
 # FlexAttention runs unfused on CPU and says so; that is expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -157,7 +157,7 @@ def test_sdpa_with_a_window_falls_back_with_one_notice(capsys):
 
 def test_a_notice_inside_a_compiled_forward_neither_splits_it_nor_goes_missing(capsys):
     # Fallback notices are printed inside the model. Traced as a print, one split d12_flash's compiled
-    # step (61.7 instead of ~35 ms per step on an H100); dynamo now makes the call after the graph runs.
+    # step (61.7 instead of ~35 ms per step on an H100); now it runs while dynamo traces, outside the graph.
     import train_gpt2
     train_gpt2._notices_shown.clear()
     q = torch.randn(1, 2, 8, 4)
@@ -167,7 +167,7 @@ def test_a_notice_inside_a_compiled_forward_neither_splits_it_nor_goes_missing(c
     assert len(err) == 1 and err[0].startswith("notice: attn_impl=sdpa has no sliding-window kernel")
 
 
-def test_compute_dtype_is_autocasts_where_autocast_is_on():
+def test_compute_dtype_is_autocasts_dtype_where_autocast_is_on():
     # bf16 q times the fp32 rotary tables is an fp32 q, which SDPA under autocast still computes in bf16:
     # the flash backend's fp32 fallback looked at q.dtype and so never forced flash in bf16 training.
     x = torch.ones(2, dtype=torch.bfloat16) * torch.ones(2)
