@@ -47,12 +47,13 @@ class GPTConfig:
     mtp_k: int = 0  # multi-token prediction: extra targets t+2 .. t+1+k, each from its own projection
     mtp_weight: float = 0.3  # weight of the mean extra-target loss in the training objective
     logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
-    # Training-time lm_head products in FP8 (e4m3 inputs, e5m2 gradients, per-tensor scales) on GPUs with FP8
-    # tensor cores (sm_89+: RTX 4090, H100); bf16 elsewhere, with a notice. Evaluation never uses FP8.
+    # Training-time lm_head products in FP8 (e4m3 inputs, e5m2 gradients) on GPUs with FP8 tensor cores
+    # (sm_89+: RTX 4090, H100); bf16 elsewhere, with a notice. Evaluation never uses FP8. With
+    # fused_head_loss, the logits' product only (HeadCrossEntropy says why).
     fp8_head: bool = False
     # Training loss of the head as one autograd function that computes the logits' gradient in the forward
-    # pass, its products on the vocabulary padded to a multiple of 64 (HeadCrossEntropy): same math, fewer
-    # passes over the (tokens, vocab) logits, aligned GEMMs. Not with the FP8 head.
+    # pass (a Triton kernel on CUDA), its products on the vocabulary padded to a multiple of 64
+    # (HeadCrossEntropy): same math, fewer passes over the (tokens, vocab) logits, aligned GEMMs.
     fused_head_loss: bool = False
     # --- the rest ---------------------------------------------------------------------------------
     norm: str = "rms"  # "rms" (parameter-free, NoCap), "rms_gain" (learned gain), "layer" (LayerNorm)
@@ -189,7 +190,9 @@ VARIANTS: dict[str, GPTConfig] = {
         # Tied head: 0.07 lower at P40 than untied (five runs against four, docs/RESULTS.md), 38.6M fewer parameters.
         qk_norm=True, mlp_act="relu2", zero_init_proj=True, scale_attn_branch=False, tie_embeddings=True,
         logit_softcap=15.0, embed_norm=True, x0_mix=True, value_residual=True, unet_skips=True,
-        fused_head_loss=True),  # +5.9% tokens/s on an H100, same losses (docs/RESULTS.md)
+        # +9.3% tokens/s on an H100, same losses. Not the FP8 head: +1.9% tokens/s there, but at P40 it needed
+        # 2% more tokens to d12's loss and ended 0.013 higher (docs/RESULTS.md).
+        fused_head_loss=True),
 }
 
 # Training settings a variant brings along: train_gpt2.py takes them as its flag defaults when --model

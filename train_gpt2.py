@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels
 from model_variants import RECIPES, VARIANTS, GPTConfig, config_fields, get_variant, with_overrides
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -491,47 +492,45 @@ class FP8Matmul(torch.autograd.Function):
 class HeadCrossEntropy(torch.autograd.Function):
     """The training loss of the head in one piece: mean cross-entropy of the (softcapped) logits
     cap * tanh(h @ w.T / cap) over the targets that are not -1, with the gradient w.r.t. the logits
-    computed in the forward pass. Autograd's version of the same math keeps the (N, vocab) logits and
-    passes over them three more times in the backward (log-softmax's, tanh's and the cast's backward);
-    here the backward is the two head products only. Products in `dtype` (bf16 under autocast), the
-    softmax in at least fp32. Shapes: h (N, d), w (V, d), targets (N,).
+    computed in the forward pass (kernels.softcap_cross_entropy: a Triton kernel on CUDA that reads the
+    logits once, inductor's fusion of the same math elsewhere). Autograd's version keeps the (N, vocab)
+    logits and passes over them three more times in the backward (log-softmax's, tanh's and the cast's
+    backward); here the backward is the two head products only. Products in `dtype` (bf16 under
+    autocast), the softmax in at least fp32. Shapes: h (N, d), w (V, d), targets (N,).
 
     The products run on the vocabulary padded with zero rows to a multiple of 64, the padded columns
     masked out of the softmax: GPT-2's 50,257 is odd, which leaves every row of the logits unaligned and
-    sends cuBLAS to slower kernels (nanoGPT pads the embedding itself; here the parameters stay NoCap's)."""
+    sends cuBLAS to slower kernels (nanoGPT pads the embedding itself; here the parameters stay NoCap's).
+
+    fp8: the logits' product in FP8 (torch._scaled_mm, h and w as e4m3 with per-tensor scales), the two
+    backward products in bf16. Both backward products in FP8 measured slower on an H100: the weight's
+    gradient would need the (N, V) gradient transposed (FP8 tensor cores take K-major operands only), and
+    an e5m2 copy of the gradient for the other made the loss kernel 0.9 ms slower (docs/RESULTS.md)."""
 
     @staticmethod
-    def forward(ctx, h, w, targets, cap: float, dtype: torch.dtype):
+    def forward(ctx, h, w, targets, cap: float, dtype: torch.dtype, fp8: bool = False):
         V = w.size(0)
         h_c, w_c = h.to(dtype), F.pad(w.to(dtype), (0, 0, 0, -V % 64))
-        logits = (h_c @ w_c.t()).to(torch.promote_types(dtype, torch.float32))  # (N, V padded)
-        if cap:
-            squashed = torch.tanh(logits / cap)
-            logits = cap * squashed
-        if w_c.size(0) > V:
-            padding = torch.arange(w_c.size(0), device=logits.device) >= V
-            logits = logits.masked_fill(padding, float("-inf"))  # exp() = 0: no probability, no gradient
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        valid = (targets != -1).unsqueeze(1)
-        safe_targets = targets.clamp(min=0).unsqueeze(1)
-        count = valid.sum()
-        loss = ((lse - logits.gather(1, safe_targets)) * valid).sum() / count
-        # d loss / d logits = (softmax - one_hot(target)) / count, times d logits / d(h @ w.T) under the cap.
-        one_hot = torch.zeros_like(logits).scatter_(1, safe_targets, 1.0)
-        grad = (torch.exp(logits - lse) - one_hot) * (valid.to(logits.dtype) / count)
-        if cap:
-            grad = grad * (1 - squashed * squashed)
-        ctx.save_for_backward(h_c, w_c, grad.to(dtype))
+        if fp8:
+            (h8, h_scale), (w8, w_scale) = to_fp8(h_c, torch.float8_e4m3fn), to_fp8(w_c, torch.float8_e4m3fn)
+            logits = torch._scaled_mm(h8, w8.t(), scale_a=h_scale, scale_b=w_scale, out_dtype=dtype)
+        else:
+            logits = h_c @ w_c.t()
+        losses, grad = kernels.softcap_cross_entropy(logits, targets, V, cap)
+        count = (targets != -1).sum()
+        ctx.save_for_backward(h_c, w_c, grad, count)
         ctx.dtypes, ctx.vocab = (h.dtype, w.dtype), V
-        return loss
+        return losses.sum() / count
 
     @staticmethod
     def backward(ctx, grad_loss):
-        h_c, w_c, grad = ctx.saved_tensors
-        # The incoming scalar scales the two (N, d) and (V, d) products, not the (N, V) gradient.
-        grad_h = (grad @ w_c) * grad_loss
-        grad_w = (grad.t() @ h_c)[:ctx.vocab] * grad_loss
-        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
+        h_c, w_c, grad, count = ctx.saved_tensors
+        # The mean's 1/count and the incoming scalar scale the two (N, d) and (V, d) products, not the
+        # (N, V) gradient.
+        scale = grad_loss / count
+        grad_h = (grad @ w_c) * scale
+        grad_w = (grad.t() @ h_c)[:ctx.vocab] * scale
+        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -709,9 +708,9 @@ class GPT(nn.Module):
         ignored; fp8 asks for the FP8 head. With fused_head_loss, a pass that builds a gradient takes
         HeadCrossEntropy (same math, fewer passes over the logits); everything else goes through logits."""
         fp8 = fp8 and self.use_fp8_head(h)
-        if self.config.fused_head_loss and torch.is_grad_enabled() and not fp8:
+        if self.config.fused_head_loss and torch.is_grad_enabled():
             return HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                          self.config.logit_softcap, compute_dtype(h))
+                                          self.config.logit_softcap, compute_dtype(h), fp8)
         return cross_entropy(self.logits(h, fp8), targets)
 
     def use_fp8_head(self, h: torch.Tensor) -> bool:

@@ -633,11 +633,35 @@ def test_head_cross_entropy_matches_autograd_through_the_logits(cap, vocab):
     assert torch.autograd.gradcheck(lambda a, b: HeadCrossEntropy.apply(a, b, targets, cap, torch.float64), (h, w))
 
 
+def test_head_cross_entropy_in_fp8_takes_the_logits_product_in_fp8_and_tracks_bf16(monkeypatch):
+    from train_gpt2 import HeadCrossEntropy
+    fp8_products = []
+    scaled_mm = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **kw: fp8_products.append((a.dtype, b.shape)) or
+                        scaled_mm(a, b, **kw))
+    torch.manual_seed(0)
+    h = torch.randn(64, 32, requires_grad=True)
+    w = (0.3 * torch.randn(100, 32)).requires_grad_(True)  # padded to 128 for the products
+    targets = torch.randint(0, 100, (64,))
+    targets[3] = -1
+    results = {}
+    for fp8 in (False, True):
+        h.grad = w.grad = None
+        loss = HeadCrossEntropy.apply(h, w, targets, 15.0, torch.bfloat16, fp8)
+        (3 * loss).backward()
+        results[fp8] = loss.detach(), h.grad.clone(), w.grad.clone()
+    assert fp8_products == [(torch.float8_e4m3fn, (32, 128))]  # the forward product only, on the padded vocab
+    (loss16, *grads16), (loss8, *grads8) = results[False], results[True]
+    assert loss8 != loss16 and abs(loss8 - loss16) < 0.05  # e4m3's 3 mantissa bits, not a different loss
+    assert all(_cosine(g8, g16) > 0.99 for g8, g16 in zip(grads8, grads16))
+    assert grads8[0].dtype == h.dtype and grads8[1].dtype == w.dtype and grads8[1].shape == w.shape
+
+
 def test_fused_head_loss_trains_like_the_plain_head_and_only_where_a_gradient_is_built(monkeypatch):
     import train_gpt2
     calls = []
     apply = train_gpt2.HeadCrossEntropy.apply
-    monkeypatch.setattr(train_gpt2.HeadCrossEntropy, "apply", lambda *a: calls.append(1) or apply(*a))
+    monkeypatch.setattr(train_gpt2.HeadCrossEntropy, "apply", lambda *a: calls.append(a[-1]) or apply(*a))
     torch.manual_seed(0)
     config = with_overrides(TINY, logit_softcap=15.0, mtp_k=1)
     plain, fused = GPT(config), GPT(with_overrides(config, fused_head_loss=True))
@@ -647,7 +671,7 @@ def test_fused_head_loss_trains_like_the_plain_head_and_only_where_a_gradient_is
     for model in (plain, fused):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(idx, targets, return_logits=False)[1].backward()
-    assert len(calls) == 2  # the fused model's next-token and MTP losses; none for the plain model
+    assert calls == [False, False]  # the fused model's next-token and MTP losses (bf16); none for the plain model
     for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=0.05, atol=2e-3, msg=name)
     # Evaluation builds no gradient: the plain head. Asking for the logits needs them: the next-token
@@ -657,3 +681,8 @@ def test_fused_head_loss_trains_like_the_plain_head_and_only_where_a_gradient_is
     assert len(calls) == 2
     fused(idx, targets)
     assert len(calls) == 3
+    # With the FP8 head the fused loss takes its FP8 form in training where the device has FP8 and the
+    # shapes suit torch._scaled_mm: the next-token loss's 32 tokens do, the MTP loss's 30 (not a multiple
+    # of 16) do not.
+    GPT(with_overrides(config, fused_head_loss=True, fp8_head=True))(idx, targets, return_logits=False)
+    assert calls[3:] == [True, False]
