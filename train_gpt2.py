@@ -1417,6 +1417,12 @@ def train_step(model, optimizer: Optimizers, loader: TokenLoader, accumulation: 
     return step_loss, aux_means
 
 
+def out_of_memory(where: str, B: int, T: int) -> InputError:
+    """The one-line error for a training step that ran out of GPU memory, with the fix that keeps the recipe."""
+    return InputError(f"out of GPU memory {where} ({B}x{T} tokens per micro-batch); halve --batch_size and "
+                      "double --grad_accumulation_steps (same tokens per step)")
+
+
 def synchronize(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -1440,8 +1446,11 @@ def warm_up_compile(model, raw_model, eval_model, optimizer, loader, val, accumu
     batches_drawn = loader.batches_drawn
     shard, position = loader.shard, loader.position
     breaks_before = graph_breaks()
-    for _ in range(3):
-        train_step(model, optimizer, loader, accumulation, 1.0, autocast_ctx, env.world_size)
+    try:
+        for _ in range(3):
+            train_step(model, optimizer, loader, accumulation, 1.0, autocast_ctx, env.world_size)
+    except torch.OutOfMemoryError:  # the first place a micro-batch too large for the GPU shows
+        raise out_of_memory("in the compile warm-up's training steps", loader.B, loader.T) from None
     breaks = graph_breaks() - breaks_before
     if breaks:  # what a new flag most easily costs: a separately compiled piece and a host round trip each
         notice(f"torch.compile split the training step at {breaks} graph break(s); TORCH_LOGS=graph_breaks "
@@ -1645,8 +1654,7 @@ def train(args) -> int:
                 step_loss, aux = train_step(model, optimizer, train_loader, accumulation, scale, autocast_ctx,
                                             env.world_size)
             except torch.OutOfMemoryError:
-                raise InputError(f"out of GPU memory in step {step + 1} ({B}x{T} tokens per micro-batch); halve "
-                                 "--batch_size and double --grad_accumulation_steps (same tokens per step)") from None
+                raise out_of_memory(f"in step {step + 1}", B, T) from None
             synchronize(env.device)
             step_s = time.perf_counter() - t0
             train_time_s += step_s

@@ -501,6 +501,12 @@ def test_out_of_memory_is_one_line_with_the_fix(tmp_path, shards, capsys, monkey
     line = _error(capsys, tiny_run_args(shards, tmp_path))
     assert line == ("error: out of GPU memory in step 1 (2x32 tokens per micro-batch); halve --batch_size and "
                     "double --grad_accumulation_steps (same tokens per step)")
+    # Compiled, the warm-up's steps are the first to run out (d12_fast at 32x1024 under a 22 GiB cap did,
+    # on an H100): the same line, not a traceback. The compiler itself is not needed to get there.
+    monkeypatch.setattr(train_gpt2.torch, "compile", lambda model, **kwargs: model)
+    line = _error(capsys, tiny_run_args(shards, tmp_path, "compiled", "--compile"))
+    assert line == ("error: out of GPU memory in the compile warm-up's training steps (2x32 tokens per "
+                    "micro-batch); halve --batch_size and double --grad_accumulation_steps (same tokens per step)")
 
 
 def test_a_diverged_run_stops_at_once_without_a_checkpoint(tmp_path, shards, capsys):
