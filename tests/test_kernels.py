@@ -51,6 +51,17 @@ def test_without_triton_on_this_device_the_torch_version_runs(monkeypatch):
     assert len(calls) == 1 and not kernels.triton_runs_on(torch.device("cpu"))
 
 
+def test_cuda_without_triton_gets_a_notice_that_the_torch_version_runs(monkeypatch, capsys):
+    import train_gpt2
+    train_gpt2.check_head_loss_kernel(torch.device("cpu"))  # the torch version is the plan on CPU: no notice
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(kernels, "triton", None)
+    train_gpt2.check_head_loss_kernel(torch.device("cpu"))
+    assert capsys.readouterr().err == ""
+    train_gpt2.check_head_loss_kernel(torch.device("cuda"))
+    assert "notice: fused_head_loss: Triton is not installed" in capsys.readouterr().err
+
+
 # The interpreter is chosen when Triton is imported, so the kernel runs in a child process with
 # TRITON_INTERPRET=1; the cases cover one and several 2048-column blocks per row, padding and no cap.
 INTERPRETED_CASES = [(15.0, 64, 50, torch.float32), (15.0, 4160, 4099, torch.bfloat16), (0.0, 2112, 2100,
