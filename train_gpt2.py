@@ -503,9 +503,10 @@ class HeadCrossEntropy(torch.autograd.Function):
     sends cuBLAS to slower kernels (nanoGPT pads the embedding itself; here the parameters stay NoCap's).
 
     fp8: the logits' product in FP8 (torch._scaled_mm, h and w as e4m3 with per-tensor scales), the two
-    backward products in bf16. Both backward products in FP8 measured slower on an H100: the weight's
-    gradient would need the (N, V) gradient transposed (FP8 tensor cores take K-major operands only), and
-    an e5m2 copy of the gradient for the other made the loss kernel 0.9 ms slower (docs/RESULTS.md)."""
+    backward products in bf16, as measured on an H100 (docs/RESULTS.md, session 6): the weight's gradient
+    in FP8 needs the (N, V) gradient transposed (FP8 tensor cores take K-major operands only; the copy alone
+    took longer than the product), and the hidden states' gradient in FP8 needs an e5m2 copy of it, which
+    cost the loss kernel 0.9 ms, more than the product saved."""
 
     @staticmethod
     def forward(ctx, h, w, targets, cap: float, dtype: torch.dtype, fp8: bool = False):
