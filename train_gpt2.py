@@ -1584,6 +1584,7 @@ def train(args) -> int:
     log.write_json("config.json", dict(
         args=vars(args), model_config=asdict(config), run_dir=run_dir, git_sha=git_sha(),
         torch_version=torch.__version__, cuda_version=torch.version.cuda,
+        triton_version=kernels.triton.__version__ if kernels.triton is not None else None,
         device=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",
         world_size=env.world_size, grad_accumulation_steps_per_process=accumulation,
         tokens_per_step=tokens_per_step, num_params=raw_model.num_params(), active_params=raw_model.active_params(),

@@ -43,6 +43,8 @@ def test_run_writes_metrics_config_summary_and_final_block(tmp_path, shards, cap
     config = json.loads((run_dir / "config.json").read_text())
     assert config["args"]["model"] == "tiny" and config["model_config"]["vocab_size"] == 256
     assert config["tokens_per_step"] == 128 and "torch_version" in config and "git_sha" in config
+    import kernels
+    assert config["triton_version"] == (kernels.triton.__version__ if kernels.triton is not None else None)
     assert config["num_params"] == config["active_params"] > 0
 
     summary = json.loads((run_dir / "summary.json").read_text())
