@@ -1,5 +1,5 @@
-"""The shell entry points run end to end on CPU with tiny settings: compare.sh and ablate.sh train every
-model given with identical flags and print the comparison; bad usage exits 2."""
+"""The shell entry points run end to end on CPU with tiny settings: compare.sh, ablate.sh and throughput.sh
+train every model given with identical flags and print the comparison; bad usage exits 2."""
 
 import json
 import subprocess
@@ -62,6 +62,25 @@ def test_ablate_sh_runs_the_p40_protocol_for_each_model(tmp_path):
     rows = table_rows(result.stdout)
     assert [row.split()[0] for row in rows] == ["tiny", "d12_mqa"]
     assert "1.00x" in rows[0]  # the first run reaches its own final loss: the reference
+
+
+def test_throughput_sh_runs_the_14_step_protocol_for_each_model(tmp_path):
+    data = tmp_path / "p40"
+    make_shards(data, prefix="mix")
+    result = bash("scripts/throughput.sh", str(data), "tiny", "d12_mqa", "--", "--vocab_size", "256",
+                  "--device", "cpu", "--batch_size", "2", "--sequence_length", "32", "--grad_accumulation_steps",
+                  "1", "--val_batch_size", "2", "--val_tokens", "256", "--n_layer", "1", "--n_embd", "32",
+                  "--n_head", "2", env_extra={"OUTPUT_DIR": str(tmp_path / "logs"), "MEMORY_CAP_GIB": "none"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [row.split()[0] for row in table_rows(result.stdout)] == ["tiny", "d12_mqa"]
+    for model in ("tiny", "d12_mqa"):
+        run_dir = next((tmp_path / "logs").glob(f"throughput-*/{model}"))
+        args = json.loads((run_dir / "config.json").read_text())["args"]
+        assert (args["num_iterations"], args["warmup_iters"], args["warmdown_iters"], args["val_loss_every"]) == \
+            (14, 4, 4, 0)
+        assert args["coordinate_descent_tuning"] is False and args["memory_cap_gib"] is None
+        assert json.loads((run_dir / "summary.json").read_text())["steps"] == 14
+    assert bash("scripts/throughput.sh", str(tmp_path / "missing")).returncode == 2
 
 
 def test_bench_p40_sh_runs_named_specs_concurrently_and_archives_them(tmp_path):

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# tokens/s of models at their FineWeb defaults, the protocol of docs/RESULTS.md's throughput rows: 14 optimizer
+# steps at each model's own batch (its recipe's: 16 micro-batches of 16x1024 for d12_fast) on the P40 proxy
+# shards, 4 warmup and 4 cooldown steps, one 16k-token evaluation at the end, no coordinate-descent tuning, under
+# a GPU memory cap (default 22 GiB: does it fit a 24 GB card?). tokens/s is the trainer's median over steps
+# 11-14; the compile time is reported beside it, never inside it.
+#   bash scripts/throughput.sh DATA_DIR [MODEL ...] [-- extra train_gpt2.py flags]
+# DATA_DIR holds mix_train_000001.bin, mix_train_000002.bin and mix_val_000000.bin (decompressed from
+# ../shared/data/proxy). Default model: d12_fast. MEMORY_CAP_GIB=none drops the cap (CPU runs).
+# Output: logs/throughput-<time>/<model>/ per run, then the comparison table on stdout.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ $# -lt 1 ] || [ ! -d "$1" ]; then
+  echo "usage: bash scripts/throughput.sh DATA_DIR [MODEL ...] [-- extra flags]  (DATA_DIR must exist)" >&2
+  exit 2
+fi
+data=$1
+shift
+models=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do models+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+[ ${#models[@]} -eq 0 ] && models=(d12_fast)
+cap=()
+[ "${MEMORY_CAP_GIB:-22}" != none ] && cap=(--memory_cap_gib "${MEMORY_CAP_GIB:-22}")
+output_dir="${OUTPUT_DIR:-logs}/throughput-$(date +%Y%m%d-%H%M%S)"
+runs=()
+for model in "${models[@]}"; do
+  torchrun --standalone --nproc_per_node=1 train_gpt2.py --model "$model" \
+    --input_bin "$data/mix_train_00000[12].bin" --input_val_bin "$data/mix_val_000000.bin" \
+    --num_iterations 14 --warmup_iters 4 --warmdown_iters 4 --val_loss_every 0 --val_tokens 16384 \
+    --target_val_loss 0 "${cap[@]}" --no-coordinate_descent_tuning \
+    --output_dir "$output_dir" --run_name "$model" "$@"
+  runs+=("$output_dir/$model")
+done
+# 14 steps say nothing about loss: read the tokens/s, MFU, peak memory and compile columns.
+python3 scripts/compare_runs.py "${runs[@]}" --target first
