@@ -536,7 +536,8 @@ class HeadCrossEntropy(torch.autograd.Function):
 
 def check_head_loss_kernel(device: torch.device):
     """On CUDA the fused head loss wants its Triton kernel; without Triton (a torch build that does not bring
-    it) inductor's fusion of the same math runs instead, ~1.3 ms slower per 16k tokens on an H100."""
+    it) inductor's fusion of the same math runs instead: 3.10 against 1.83 ms for 16k tokens on an H100
+    (docs/RESULTS.md, session 6)."""
     if device.type == "cuda" and not kernels.triton_runs_on(device):
         notice("fused_head_loss: Triton is not installed, so the head loss runs inductor's fusion of the same "
                "math instead of the kernel (same result, slower); pip install triton")

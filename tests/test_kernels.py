@@ -1,6 +1,7 @@
 """kernels.py: the softcapped cross-entropy contract in torch against autograd, the Triton kernel against
 the torch version (on CPU through Triton's interpreter), and the kernel compiled for the GPUs it serves."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -83,7 +84,7 @@ def test_triton_kernel_matches_the_torch_version_under_the_interpreter(tmp_path)
         cases = torch.load({str(tmp_path / "cases.pt")!r})
         torch.save([kernels.softcap_cross_entropy(l, t, v, c) for c, v, l, t in cases], {str(tmp_path / "out.pt")!r})
     """)
-    env = {"TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"}
+    env = dict(os.environ, TRITON_INTERPRET="1")  # the rest kept: a user-site torch needs HOME, for one
     result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     for (cap, vocab, logits, targets), (losses, grad) in zip(cases, torch.load(tmp_path / "out.pt")):
