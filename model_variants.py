@@ -51,6 +51,10 @@ class GPTConfig:
     # (sm_89+: RTX 4090, H100); bf16 elsewhere, with a notice. Evaluation never uses FP8. With
     # fused_head_loss, the logits' product only (HeadCrossEntropy says why).
     fp8_head: bool = False
+    # The same for the blocks' linear layers (attention and MLP projections): all three training-time
+    # products of each in FP8 (FP8Matmul), per-tensor scales computed from each tensor as it comes. Slower
+    # for d12_fast on an H100 (-7.3% tokens/s: the casts cost more than the products save at width 768).
+    fp8_linears: bool = False
     # Training loss of the head as one autograd function that computes the logits' gradient in the forward
     # pass (a Triton kernel on CUDA), its products on the vocabulary padded to a multiple of 64
     # (HeadCrossEntropy): same math, fewer passes over the (tokens, vocab) logits, aligned GEMMs.
@@ -68,6 +72,10 @@ class GPTConfig:
     x0_mix: bool = False  # each block's input is a*x + b*x0 (x0: the embedding stream), a, b learned from 1, 0
     value_residual: bool = False  # blocks 1.. mix their values with block 0's: v = a*v + b*v0, learned from 1/2, 1/2
     unet_skips: bool = False  # block n_layer-1-i also gets block i's output (i < n_layer/2), weight learned from 1
+    # The residual stream (embedding stream, block outputs, skips) in autocast's dtype (bf16 in GPU training)
+    # instead of fp32: every elementwise pass over it (norms, residual adds, mixes) moves half the bytes. No
+    # effect without autocast, so fp32 evaluation is unchanged.
+    bf16_residual: bool = False
     activation_checkpointing: bool = False  # recompute each block's forward during backward: less activation memory, one more forward pass
 
     def __post_init__(self):
@@ -192,7 +200,10 @@ VARIANTS: dict[str, GPTConfig] = {
         logit_softcap=15.0, embed_norm=True, x0_mix=True, value_residual=True, unet_skips=True,
         # +9.3% tokens/s on an H100, same losses. Not the FP8 head: +1.9% tokens/s there, but at P40 it needed
         # 2% more tokens to d12's loss and ended 0.013 higher (docs/RESULTS.md).
-        fused_head_loss=True),
+        fused_head_loss=True,
+        # +5.1% tokens/s on an H100, P40 losses as in fp32 (6% less time to d12's loss). Not FP8 in the blocks'
+        # linear layers: its casts cost more than its products save at this width, -7.3% (docs/RESULTS.md).
+        bf16_residual=True),
 }
 
 # Training settings a variant brings along: train_gpt2.py takes them as its flag defaults when --model

@@ -371,8 +371,8 @@ class CausalSelfAttention(nn.Module):
         q_dim, kv_dim = config.n_embd, config.kv_heads * config.head_dim
         self.split = (q_dim, kv_dim, kv_dim)
         # One fused projection; for MHA this is NoCap's c_attn (n_embd -> 3 * n_embd) exactly.
-        self.c_attn = nn.Linear(config.n_embd, q_dim + 2 * kv_dim, bias=False)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.c_attn = BlockLinear(config, config.n_embd, q_dim + 2 * kv_dim)
+        self.c_proj = BlockLinear(config, config.n_embd, config.n_embd)
         # Value residual (ResFormer): blocks after the first blend in block 0's values, starting half-half.
         self.v_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if config.value_residual and layer > 0 else None
 
@@ -407,10 +407,10 @@ class LatentAttention(nn.Module):
         super().__init__()
         self.config, self.layer, self.window = config, layer, config.layer_window(layer)
         self.nope_dim = config.head_dim - config.mla_rope_dim
-        self.c_q = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        self.c_kv_down = nn.Linear(config.n_embd, config.kv_lora_rank + config.mla_rope_dim, bias=False)
-        self.c_kv_up = nn.Linear(config.kv_lora_rank, config.n_head * (self.nope_dim + config.head_dim), bias=False)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.c_q = BlockLinear(config, config.n_embd, config.n_embd)
+        self.c_kv_down = BlockLinear(config, config.n_embd, config.kv_lora_rank + config.mla_rope_dim)
+        self.c_kv_up = BlockLinear(config, config.kv_lora_rank, config.n_head * (self.nope_dim + config.head_dim))
+        self.c_proj = BlockLinear(config, config.n_embd, config.n_embd)
 
     def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None, v0=None):
         B, T, C = x.shape
@@ -448,8 +448,8 @@ class MLP(nn.Module):
         self.act = config.mlp_act
         hidden = hidden or config.mlp_hidden_size
         gated = 2 if self.act == "swiglu" else 1
-        self.c_fc = nn.Linear(config.n_embd, gated * hidden, bias=False)
-        self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
+        self.c_fc = BlockLinear(config, config.n_embd, gated * hidden)
+        self.c_proj = BlockLinear(config, hidden, config.n_embd)
 
     def forward(self, x):
         return self.c_proj(mlp_activation(self.c_fc(x), self.act))
@@ -467,16 +467,16 @@ def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
 class FP8Matmul(torch.autograd.Function):
     """x @ w.T with the forward product and both backward products in FP8 through torch._scaled_mm:
     activations and weights as e4m3, the incoming gradient as e5m2 (its range matters more than its
-    precision). Shapes: x (N, d), w (V, d), every dimension a multiple of 16."""
+    precision); the output in out_dtype. Shapes: x (N, d), w (V, d), every dimension a multiple of 16."""
 
     @staticmethod
-    def forward(ctx, x, w):
+    def forward(ctx, x, w, out_dtype: torch.dtype = torch.bfloat16):
         x8, x_scale = to_fp8(x, torch.float8_e4m3fn)
         w8, w_scale = to_fp8(w, torch.float8_e4m3fn)
         ctx.save_for_backward(x8, x_scale, w8, w_scale)
         ctx.x_dtype = x.dtype
         # _scaled_mm wants its first operand row-major and its second column-major: w8.t() is that view.
-        return torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16)
+        return torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -486,7 +486,43 @@ class FP8Matmul(torch.autograd.Function):
                                   out_dtype=torch.bfloat16)
         grad_w = torch._scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), scale_a=g_scale, scale_b=x_scale,
                                   out_dtype=torch.float32)
-        return grad_x.to(ctx.x_dtype), grad_w
+        return grad_x.to(ctx.x_dtype), grad_w, None
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """FP8 tensor cores: CUDA compute capability 8.9 or newer (RTX 4090, H100; not A100 or RTX 3090).
+    torch._scaled_mm also runs on CPU, which keeps the path testable there."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu"
+
+
+def fp8_applies(flag: str, fallback: str, x: torch.Tensor, n_out: int) -> bool:
+    """Whether the product of x (..., d) with an (n_out, d) weight, asked for in FP8 by the config field
+    `flag`, can run in FP8: the device has FP8 tensor cores (otherwise a notice says what runs in bf16
+    instead) and every dimension is a multiple of 16 (torch._scaled_mm's rule)."""
+    if not fp8_supported(x.device):
+        name = torch.cuda.get_device_name(x.device) if x.device.type == "cuda" else x.device.type
+        notice(f"{flag}: {name} has no FP8 tensor cores (sm_89+); {fallback} in bf16")
+        return False
+    return x[..., 0].numel() % 16 == 0 and x.size(-1) % 16 == 0 and n_out % 16 == 0
+
+
+class BlockLinear(nn.Linear):
+    """A bias-free linear layer inside a block (attention and MLP projections). With fp8_linears its
+    training-time products (forward and both backward) run in FP8 through FP8Matmul where the GPU has FP8
+    tensor cores; evaluation, and GPUs without them, take the bf16 product."""
+
+    def __init__(self, config: GPTConfig, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+        self.fp8 = config.fp8_linears
+
+    def forward(self, x):
+        if (self.fp8 and self.training and torch.is_grad_enabled()
+                and fp8_applies("fp8_linears", "the blocks' linear layers run", x, self.out_features)):
+            y = FP8Matmul.apply(x.reshape(-1, x.size(-1)), self.weight, compute_dtype(x))
+            return y.view(*x.shape[:-1], self.out_features)
+        return super().forward(x)
 
 
 class HeadCrossEntropy(torch.autograd.Function):
@@ -541,14 +577,6 @@ def check_head_loss_kernel(device: torch.device):
     if device.type == "cuda" and not kernels.triton_runs_on(device):
         notice("fused_head_loss: Triton is not installed, so the head loss runs inductor's fusion of the same "
                "math instead of the kernel (same result, slower); pip install triton")
-
-
-def fp8_supported(device: torch.device) -> bool:
-    """FP8 tensor cores: CUDA compute capability 8.9 or newer (RTX 4090, H100; not A100 or RTX 3090).
-    torch._scaled_mm also runs on CPU, which keeps the path testable there."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
-    return device.type == "cpu"
 
 
 def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
@@ -725,13 +753,8 @@ class GPT(nn.Module):
         return cross_entropy(self.logits(h, fp8), targets)
 
     def use_fp8_head(self, h: torch.Tensor) -> bool:
-        if not self.config.fp8_head:
-            return False
-        if not fp8_supported(h.device):
-            name = torch.cuda.get_device_name(h.device) if h.device.type == "cuda" else h.device.type
-            notice(f"fp8_head: {name} has no FP8 tensor cores (sm_89+); the head runs in bf16")
-            return False
-        return h[..., 0].numel() % 16 == 0 and h.size(-1) % 16 == 0  # _scaled_mm's shape rule
+        # Both FP8 forms pad the vocabulary to a multiple of 16 (or more), so only h's shape can rule FP8 out.
+        return self.config.fp8_head and fp8_applies("fp8_head", "the head runs", h, 16)
 
     def fp8_head(self, h: torch.Tensor) -> torch.Tensor:
         # The vocabulary (50,257) is padded with zero rows to a multiple of 16 for the product and cut after.
@@ -759,6 +782,8 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
         if self.norm_embed is not None:
             x = self.norm_embed(x)
+        if c.bf16_residual:
+            x = x.to(compute_dtype(x))  # the rest of the stream follows: bf16 branches add to bf16
         x0, v0, skips, moe_terms = x, None, [], []
         n_skips = c.n_layer // 2 if c.unet_skips else 0
         for i, block in enumerate(self.transformer.h):

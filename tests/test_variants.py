@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from model_variants import D12, TINY, VARIANTS, GPTConfig, with_overrides
-from train_gpt2 import (GPT, MLP, MoE, PermuteRows, causal_attention, causal_mask, compute_dtype,
+from train_gpt2 import (GPT, MLP, BlockLinear, MoE, PermuteRows, causal_attention, causal_mask, compute_dtype,
                         evaluation_compiles, grouped_mm_supported, precision)
 
 # FlexAttention runs unfused on CPU and says so; that is expected here.
@@ -551,6 +551,22 @@ def _cosine(a, b):
     return F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 
 
+def assert_learns_and_compiles(model, idx):
+    """30 AdamW steps on one batch at least halve the loss, and the training graph compiles with the FP8
+    products inside it (autograd.Function + torch._scaled_mm) to the same loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        loss = model(idx, idx.roll(-1, dims=1))[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    compiled = torch.compile(model, backend="aot_eager")
+    torch.testing.assert_close(compiled(idx, idx)[1], model(idx, idx)[1])
+
+
 def test_fp8_matmul_tracks_the_exact_product_forward_and_backward():
     from train_gpt2 import FP8Matmul
     torch.manual_seed(0)
@@ -582,18 +598,7 @@ def test_fp8_head_pads_the_vocabulary_trains_and_leaves_evaluation_alone():
     fp8.eval(), plain.eval()
     assert torch.equal(fp8(idx, idx)[0], plain(idx, idx)[0])  # evaluation is never FP8
     fp8.train()
-    opt = torch.optim.AdamW(fp8.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(30):
-        loss = fp8(idx, idx.roll(-1, dims=1))[1]
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0]
-    # The training graph compiles with the FP8 product inside it (autograd.Function + torch._scaled_mm).
-    compiled = torch.compile(fp8, backend="aot_eager")
-    torch.testing.assert_close(compiled(idx, idx)[1], fp8(idx, idx)[1])
+    assert_learns_and_compiles(fp8, idx)
 
 
 def test_fp8_head_falls_back_with_a_notice_on_gpus_without_fp8(monkeypatch, capsys):
@@ -607,6 +612,87 @@ def test_fp8_head_falls_back_with_a_notice_on_gpus_without_fp8(monkeypatch, caps
     idx = torch.randint(0, 64, (2, 8))
     assert model(idx, idx)[0].dtype == torch.float32  # the plain head ran
     assert "fp8_head: cpu has no FP8 tensor cores (sm_89+); the head runs in bf16" in capsys.readouterr().err
+
+
+# --- bf16 residual stream ---------------------------------------------------------------------------
+
+def test_bf16_residual_keeps_the_stream_in_autocast_dtype_and_leaves_fp32_runs_alone():
+    torch.manual_seed(0)
+    config = with_overrides(TINY, vocab_size=64, n_layer=4, **SHORTCUTS)
+    plain, low = GPT(config), GPT(with_overrides(config, bf16_residual=True))
+    low.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+    stream_dtypes = {}
+    for name, model in (("plain", plain), ("low", low)):
+        hooks = [block.register_forward_hook(lambda m, inputs, out, name=name: stream_dtypes.setdefault(
+            name, []).extend([inputs[0].dtype, inputs[1].dtype, out[0].dtype])) for block in model.transformer.h]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(idx, idx.roll(-1, dims=1), return_logits=False)[1].backward()
+        for hook in hooks:
+            hook.remove()
+    # Every block's input, the embedding stream x0 and every block's output: fp32 by default, bf16 with the flag.
+    assert set(stream_dtypes["plain"]) == {torch.float32} and set(stream_dtypes["low"]) == {torch.bfloat16}
+    for (name, p), q in zip(plain.named_parameters(), low.parameters()):
+        assert q.grad.dtype == p.dtype and _cosine(q.grad, p.grad) > 0.99, name
+    # Without autocast (fp32 training on CPU, NoCap's fp32 evaluation) the flag changes nothing.
+    assert torch.equal(low(idx, idx)[1], plain(idx, idx)[1])
+    low.eval(), plain.eval()
+    assert torch.equal(low(idx, idx)[0], plain(idx, idx)[0])
+
+
+# --- FP8 linear layers in the blocks -------------------------------------------------------------
+
+def test_fp8_linears_take_every_block_product_in_fp8_in_training_only_and_track_the_plain_model(monkeypatch):
+    fp8_products = []
+    scaled_mm = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **kw: fp8_products.append((a.dtype, kw["out_dtype"])) or
+                        scaled_mm(a, b, **kw))
+    torch.manual_seed(0)
+    config = with_overrides(TINY, vocab_size=64, mlp_act="relu2", qk_norm=True)
+    plain, fp8 = GPT(config), GPT(with_overrides(config, fp8_linears=True))
+    fp8.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+    for model in (plain, fp8):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(idx, idx.roll(-1, dims=1), return_logits=False)[1].backward()
+    # 4 linear layers per block, 2 blocks: 8 forward products (e4m3, out in autocast's bf16), then 8 x 2
+    # backward ones (e5m2 gradients): the hidden states' gradient in bf16, the weight's in fp32.
+    assert fp8_products[:8] == [(torch.float8_e4m3fn, torch.bfloat16)] * 8
+    assert sorted(fp8_products[8:], key=str) == sorted([(torch.float8_e5m2, torch.bfloat16),
+                                                        (torch.float8_e5m2, torch.float32)] * 8, key=str)
+    for (name, p), q in zip(plain.named_parameters(), fp8.parameters()):
+        assert q.grad.dtype == p.dtype and _cosine(q.grad, p.grad) > 0.98, name
+    # The head and the embedding are not block layers; evaluation and no-grad passes stay in bf16.
+    assert isinstance(fp8.transformer.h[0].mlp.c_fc, BlockLinear) and not isinstance(fp8.lm_head, BlockLinear)
+    fp8.eval(), plain.eval()
+    fp8_products.clear()
+    assert torch.equal(fp8(idx, idx)[0], plain(idx, idx)[0]) and fp8_products == []
+    fp8.train()
+    with torch.no_grad():
+        fp8(idx, idx)
+    assert fp8_products == []
+
+
+def test_fp8_linears_train_compile_and_stay_muon_matrices():
+    from train_gpt2 import muon_params
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=64, fp8_linears=True))
+    assert len(muon_params(model)) == 4 * TINY.n_layer  # still the hidden matrices Muon orthogonalizes
+    idx = torch.randint(0, 64, (2, 16))
+    assert_learns_and_compiles(model, idx)
+
+
+def test_fp8_linears_fall_back_with_a_notice_on_gpus_without_fp8(monkeypatch, capsys):
+    import train_gpt2
+    monkeypatch.setattr(train_gpt2, "fp8_supported", lambda device: False)
+    torch.manual_seed(0)
+    plain = GPT(with_overrides(TINY, vocab_size=64))
+    fp8 = GPT(with_overrides(TINY, vocab_size=64, fp8_linears=True))
+    fp8.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 64, (2, 8))
+    assert torch.equal(fp8(idx, idx)[1], plain(idx, idx)[1])  # the plain products ran
+    assert ("fp8_linears: cpu has no FP8 tensor cores (sm_89+); the blocks' linear layers run in bf16"
+            in capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("cap", [0.0, 3.0])
