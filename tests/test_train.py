@@ -363,7 +363,8 @@ def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
     from train_gpt2 import parse_args
     d12, fast = parse_args([]), parse_args(["--model", "d12_fast"])
     assert (d12.optimizer, d12.learning_rate, d12.total_batch_size) == ("adamw", 0.0018, None)
-    assert (fast.optimizer, fast.total_batch_size, fast.lr_floor) == ("muon", 262144, 0.1)
+    assert (fast.optimizer, fast.total_batch_size, fast.batch_size, fast.lr_floor) == ("muon", 262144, 32, 0.1)
+    assert parse_args(["--model", "d12_fast", "--batch_size", "16"]).batch_size == 16
     assert d12.coordinate_descent_tuning and not fast.coordinate_descent_tuning  # on/off flags too
     assert not parse_args(["--model=d12_fast", "--no-coordinate_descent_tuning"]).coordinate_descent_tuning
     assert parse_args(["--model=d12_fast", "--coordinate_descent_tuning"]).coordinate_descent_tuning
@@ -386,9 +387,9 @@ def test_p40_schedules_are_the_reference_run_and_d12_fasts_measured_form():
     # d12_fast's P40 run: exactly the flags of the headline measurement in docs/RESULTS.md (FASTP40).
     fast = vars(parse_args(["--model", "d12_fast", *p40_flags("d12_fast")]))
     measured = dict(optimizer="muon", muon_lr=0.03, muon_momentum_warmup=60, learning_rate=0.008, embed_lr=0.3,
-                    scalar_lr=0.04, weight_decay=0.0, grad_accumulation_steps=2, num_iterations=200,
+                    scalar_lr=0.04, weight_decay=0.0, grad_accumulation_steps=1, num_iterations=200,
                     warmup_iters=0, warmdown_iters=100, lr_floor=0.1, val_loss_every=20, total_batch_size=None,
-                    batch_size=16, sequence_length=1024, val_batch_size=16)
+                    batch_size=32, sequence_length=1024, val_batch_size=16)
     assert {k: fast[k] for k in measured} == measured
 
 
