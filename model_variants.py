@@ -215,7 +215,7 @@ RECIPES: dict[str, dict] = {
     # The tied head trains in the head's group (learning_rate); embed_lr is the input embedding's peak when
     # it is untied (`--tie_embeddings false`, the recipe before the P40 tied/untied runs).
     # Micro-batches of 32x1024 (8 per step): +5.0% tokens/s over 16x1024 on an H100 at 19.3 GiB peak, inside
-    # the 22 GiB a 24 GB card leaves (docs/RESULTS.md); --batch_size 16 halves the memory and keeps the step.
+    # the 22 GiB a 24 GB card leaves (docs/RESULTS.md); --batch_size 16 needs 10.6 GiB and keeps the step.
     "d12_fast": dict(
         optimizer="muon", muon_lr=0.03, muon_momentum_warmup=300, learning_rate=0.008, embed_lr=0.3,
         scalar_lr=0.04, weight_decay=0.0, total_batch_size=262144, batch_size=32, num_iterations=2000, warmup_iters=0,

@@ -662,7 +662,7 @@ def test_fp8_linears_take_every_block_product_in_fp8_in_training_only_and_track_
                                                         (torch.float8_e5m2, torch.float32)] * 8, key=str)
     for (name, p), q in zip(plain.named_parameters(), fp8.parameters()):
         assert q.grad.dtype == p.dtype and _cosine(q.grad, p.grad) > 0.98, name
-    # The head and the embedding are not block layers; evaluation and no-grad passes stay in bf16.
+    # The head and the embedding are not block layers; evaluation and no-grad passes take no FP8 product.
     assert isinstance(fp8.transformer.h[0].mlp.c_fc, BlockLinear) and not isinstance(fp8.lm_head, BlockLinear)
     fp8.eval(), plain.eval()
     fp8_products.clear()
