@@ -511,7 +511,7 @@ def fp8_applies(flag: str, fallback: str, x: torch.Tensor, n_out: int) -> bool:
 class BlockLinear(nn.Linear):
     """A bias-free linear layer inside a block (attention and MLP projections). With fp8_linears its
     training-time products (forward and both backward) run in FP8 through FP8Matmul where the GPU has FP8
-    tensor cores; evaluation, and GPUs without them, take the bf16 product."""
+    tensor cores; evaluation, no-grad passes and GPUs without them take the plain product (autocast's dtype)."""
 
     def __init__(self, config: GPTConfig, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
