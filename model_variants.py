@@ -13,6 +13,7 @@ ATTN_IMPLS = ("sdpa", "flash", "flex", "manual")
 MLP_ACTS = ("gelu", "relu2", "swiglu")
 NORMS = ("rms", "rms_gain", "layer")
 POSITIONS = ("rope", "learned")
+WINDOW_KINDS = ("sliding", "chunked")
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,13 @@ class GPTConfig:
     # kernel; "flex" is FlexAttention with block masks (the fast path for windows); "manual" is plain
     # softmax(QK^T)V, the reference every other path is tested against.
     attn_impl: str = "sdpa"
-    window: int = 0  # sliding-window length in tokens for local layers; 0 = every layer global
+    window: int = 0  # attention window in tokens for local layers; 0 = every layer global
     window_pattern: str = "L"  # per-layer L(ocal)/G(lobal) pattern, repeated over the layers
+    # The local layers' window: "sliding" (each query sees the `window` positions up to itself; FlexAttention,
+    # or a dense mask elsewhere) or "chunked" (the sequence cut into aligned blocks of `window` positions, each
+    # query seeing its own block up to itself, as in Llama 4's local layers): causal attention over the blocks
+    # taken as a batch, so SDPA's fused kernels (cuDNN's on an H100) run it, on window/T of full attention's work.
+    window_kind: str = "sliding"
     kv_lora_rank: int = 0  # > 0: multi-head latent attention (DeepSeek MLA) with a latent of this width
     mla_rope_dim: int = 32  # MLA: decoupled rotary dimensions per head (the rest of head_dim is rotary-free)
     qk_norm: bool = False  # parameter-free RMSNorm of each query and key head
@@ -97,7 +103,7 @@ class GPTConfig:
             raise ValueError(f"n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}; "
                              f"pick one of {_divisors(self.n_head)}")
         for name, allowed in (("attn_impl", ATTN_IMPLS), ("mlp_act", MLP_ACTS), ("norm", NORMS),
-                              ("pos", POSITIONS)):
+                              ("pos", POSITIONS), ("window_kind", WINDOW_KINDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
         if not self.window_pattern or set(self.window_pattern) - {"L", "G"}:
@@ -197,13 +203,19 @@ VARIANTS: dict[str, GPTConfig] = {
         D12, n_head=6,  # head_dim 128
         # Tied head: 0.07 lower at P40 than untied (five runs against four, docs/RESULTS.md), 38.6M fewer parameters.
         qk_norm=True, mlp_act="relu2", zero_init_proj=True, scale_attn_branch=False, tie_embeddings=True,
+        # MLP 3x (hidden 2304): +10% tokens/s on an H100 and 0.04 lower at P40 than 4x (two seeds each,
+        # docs/RESULTS.md); 14.2M fewer parameters.
+        mlp_ratio=3,
         logit_softcap=15.0, embed_norm=True, x0_mix=True, value_residual=True, unet_skips=True,
         # +9.3% tokens/s on an H100, same losses. Not the FP8 head: +1.9% tokens/s there, but at P40 it needed
         # 2% more tokens to d12's loss and ended 0.013 higher (docs/RESULTS.md).
         fused_head_loss=True,
         # +5.1% tokens/s on an H100, P40 losses as in fp32 (6% less time to d12's loss). Not FP8 in the blocks'
         # linear layers: its casts cost more than its products save at this width, -7.3% (docs/RESULTS.md).
-        bf16_residual=True),
+        bf16_residual=True,
+        # Three of four layers attend within aligned blocks of 256 tokens, every fourth over the whole sequence:
+        # 0.04 lower at P40 (two seeds each) and +1.5% tokens/s there (docs/RESULTS.md).
+        window=256, window_pattern="LLLG", window_kind="chunked"),
 }
 
 # Training settings a variant brings along: train_gpt2.py takes them as its flag defaults when --model

@@ -269,48 +269,55 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], dim=-1)
 
 
-def causal_mask(T: int, window: int, device, n_keys: int | None = None) -> torch.Tensor:
-    """(T, n_keys) boolean, True where query i may attend to key j: j <= i, and i - j < window if window.
-    With a KV cache the T queries are the last T of n_keys positions."""
+def causal_mask(T: int, window: int, device, n_keys: int | None = None, chunked: bool = False) -> torch.Tensor:
+    """(T, n_keys) boolean, True where query i may attend to key j: j <= i, and if window, i - j < window
+    (sliding) or i and j in the same aligned block of `window` positions (chunked). With a KV cache the T
+    queries are the last T of n_keys positions."""
     n_keys = n_keys or T
     i = torch.arange(n_keys - T, n_keys, device=device)[:, None]
     j = torch.arange(n_keys, device=device)[None, :]
     allowed = j <= i
-    return allowed & (i - j < window) if window else allowed
+    if not window:
+        return allowed
+    return allowed & (i // window == j // window if chunked else i - j < window)
 
 
 _flex_masks: dict = {}
 
 
 @torch.compiler.disable
-def flex_block_masks(T: int, windows, device: torch.device) -> dict:
-    """FlexAttention's block-sparse masks for causal attention, one per window in windows (0: no window),
-    built eagerly and cached per shape. Kept out of the compiled graph; called once at the top of the
-    forward, where the split it makes is resumable (a call per window inside a loop would not be)."""
+def flex_block_masks(T: int, windows, device: torch.device, chunked: bool = False) -> dict:
+    """FlexAttention's block-sparse masks for causal attention, one per window in windows (0: no window;
+    see causal_mask for chunked), built eagerly and cached per shape. Kept out of the compiled graph; called
+    once at the top of the forward, where the split it makes is resumable (a call per window inside a loop
+    would not be)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def causal_within(window: int):
         def mask_mod(b, h, q, kv):
-            return (kv <= q) & (q - kv < window) if window else kv <= q
+            if not window:
+                return kv <= q
+            return (kv <= q) & (kv // window == q // window if chunked else q - kv < window)
         return mask_mod
-    for window in windows:
-        key = (T, window, str(device))
+    keys = {window: (T, window, chunked and window > 0, str(device)) for window in windows}
+    for window, key in keys.items():
         if key not in _flex_masks:
             _flex_masks[key] = create_block_mask(causal_within(window), None, None, T, T, device=device)
-    return {window: _flex_masks[(T, window, str(device))] for window in windows}
+    return {window: _flex_masks[key] for window, key in keys.items()}
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, window: int = 0,
-                     block_mask=None) -> torch.Tensor:
+                     block_mask=None, chunked: bool = False) -> torch.Tensor:
     """The attention seam. q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim) with n_kv_head
-    dividing n_head (grouped-query attention); returns (B, n_head, T, head_dim)."""
+    dividing n_head (grouped-query attention); returns (B, n_head, T, head_dim). window and chunked: see
+    causal_mask."""
     grouped = k.size(1) != q.size(1)
     if impl == "manual":  # the definition, kept as the reference every fused path is tested against
         if grouped:
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, n_head, T, T)
-        scores = scores.masked_fill(~causal_mask(q.size(-2), window, q.device), float("-inf"))
+        scores = scores.masked_fill(~causal_mask(q.size(-2), window, q.device, chunked=chunked), float("-inf"))
         # Softmax in at least fp32 (bf16 scores under autocast), float64 kept for reference checks.
         return scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(dim=-1).type_as(v) @ v
     dense_mask_reason = None
@@ -318,16 +325,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
         if not (q.device.type == "cpu" and q.requires_grad):
             from torch.nn.attention.flex_attention import flex_attention
             if block_mask is None:
-                block_mask = flex_block_masks(q.size(-2), (window,), q.device)[window]
+                block_mask = flex_block_masks(q.size(-2), (window,), q.device, chunked)[window]
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=grouped)
         dense_mask_reason = "FlexAttention has no backward on CPU"
+    elif window and chunked:
+        return chunked_attention(q, k, v, impl, window)
     elif window:
         dense_mask_reason = f"attn_impl={impl} has no sliding-window kernel"
     if dense_mask_reason:  # a dense boolean mask works everywhere, slowly
         notice(f"{dense_mask_reason}; using SDPA with a dense mask (slow)"
-               + ("" if impl == "flex" else " — use --attn_impl flex"))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q.size(-2), window, q.device),
-                                              enable_gqa=grouped)
+               + ("" if impl == "flex" else " — use --attn_impl flex or --window_kind chunked"))
+        mask = causal_mask(q.size(-2), window, q.device, chunked=chunked)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
     if impl == "flash" and q.is_cuda and compute_dtype(q) == torch.float32:
         notice("attn_impl=flash has no fp32 kernel on CUDA; fp32 passes (evaluation) use SDPA's own choice")
     elif impl == "flash":
@@ -335,6 +344,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+
+
+def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, chunk: int) -> torch.Tensor:
+    """Causal attention within aligned blocks of `chunk` positions, as plain causal attention over the blocks
+    taken as a batch: (B, H, T, D) -> (B * T/chunk, H, chunk, D), views only where T is a multiple of chunk.
+    Otherwise the sequence is padded at the end to whole blocks; padded keys come after every real query, so
+    the causal mask hides them, and the padded queries are cut off."""
+    B, H, T, D = q.shape
+    pad = -T % chunk
+
+    def as_blocks(t: torch.Tensor) -> torch.Tensor:
+        t = F.pad(t, (0, 0, 0, pad)) if pad else t
+        return t.unflatten(2, (-1, chunk)).transpose(1, 2).flatten(0, 1)
+    y = causal_attention(as_blocks(q), as_blocks(k), as_blocks(v), impl)  # (B * n_blocks, H, chunk, D)
+    return y.unflatten(0, (B, -1)).transpose(1, 2).flatten(2, 3)[:, :, :T]
 
 
 class KVCache:
@@ -354,11 +378,11 @@ class KVCache:
         return k, v
 
 
-def cached_attention(q, k, v, layer: int, window: int, cache: KVCache) -> torch.Tensor:
+def cached_attention(q, k, v, layer: int, window: int, chunked: bool, cache: KVCache) -> torch.Tensor:
     """Attention of new queries over cached plus new keys (decoding); SDPA with an explicit mask,
     since its is_causal flag aligns the mask to the top-left when there are more keys than queries."""
     k, v = cache.extend(layer, k, v)
-    mask = causal_mask(q.size(-2), window, q.device, n_keys=k.size(-2))
+    mask = causal_mask(q.size(-2), window, q.device, n_keys=k.size(-2), chunked=chunked)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.size(1) != q.size(1))
 
 
@@ -368,6 +392,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.config, self.layer, self.window = config, layer, config.layer_window(layer)
+        self.chunked = config.window_kind == "chunked"
         q_dim, kv_dim = config.n_embd, config.kv_heads * config.head_dim
         self.split = (q_dim, kv_dim, kv_dim)
         # One fused projection; for MHA this is NoCap's c_attn (n_embd -> 3 * n_embd) exactly.
@@ -392,8 +417,9 @@ class CausalSelfAttention(nn.Module):
             v = self.v_mix[0] * v + self.v_mix[1] * v0
         values = v
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        y = (cached_attention(q, k, v, self.layer, self.window, cache) if cache is not None
-             else causal_attention(q, k, v, c.attn_impl, self.window, block_masks and block_masks[self.window]))
+        y = (cached_attention(q, k, v, self.layer, self.window, self.chunked, cache) if cache is not None
+             else causal_attention(q, k, v, c.attn_impl, self.window, block_masks and block_masks[self.window],
+                                   self.chunked))
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)), values
 
 
@@ -406,6 +432,7 @@ class LatentAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.config, self.layer, self.window = config, layer, config.layer_window(layer)
+        self.chunked = config.window_kind == "chunked"
         self.nope_dim = config.head_dim - config.mla_rope_dim
         self.c_q = BlockLinear(config, config.n_embd, config.n_embd)
         self.c_kv_down = BlockLinear(config, config.n_embd, config.kv_lora_rank + config.mla_rope_dim)
@@ -427,8 +454,9 @@ class LatentAttention(nn.Module):
         if c.qk_norm:
             q, k = rms_norm(q, c.norm_eps), rms_norm(k, c.norm_eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        y = (cached_attention(q, k, v, self.layer, self.window, cache) if cache is not None
-             else causal_attention(q, k, v, c.attn_impl, self.window, block_masks and block_masks[self.window]))
+        y = (cached_attention(q, k, v, self.layer, self.window, self.chunked, cache) if cache is not None
+             else causal_attention(q, k, v, c.attn_impl, self.window, block_masks and block_masks[self.window],
+                                   self.chunked))
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)), None
 
 
@@ -776,7 +804,8 @@ class GPT(nn.Module):
         cos, sin = self.rotary(T, start) if self.rotary is not None else (None, None)
         block_masks = None
         if c.attn_impl == "flex" and cache is None:  # one mask per distinct window (local and global layers)
-            block_masks = flex_block_masks(T, sorted({c.layer_window(i) for i in range(c.n_layer)}), idx.device)
+            block_masks = flex_block_masks(T, sorted({c.layer_window(i) for i in range(c.n_layer)}), idx.device,
+                                           c.window_kind == "chunked")
         x = self.transformer.wte(idx)  # (B, T, n_embd)
         if c.pos == "learned":
             x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))

@@ -113,13 +113,17 @@ def test_gqa_with_n_kv_head_equal_to_n_head_is_mha():
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "flash", "flex"])
-@pytest.mark.parametrize("window, kv_heads", [(0, 4), (0, 2), (5, 4), (5, 1)])
-def test_attention_backends_equal_manual(impl, window, kv_heads):
+@pytest.mark.parametrize("window, kv_heads, chunked", [(0, 4, False), (0, 2, False), (5, 4, False), (5, 1, False),
+                                                       (8, 4, True), (5, 2, True)])  # 32 = 4 blocks of 8; 5 pads
+def test_attention_backends_equal_manual(impl, window, kv_heads, chunked):
     torch.manual_seed(0)
     q = torch.randn(2, 4, 32, 16)
     k, v = torch.randn(2, kv_heads, 32, 16), torch.randn(2, kv_heads, 32, 16)
-    got = causal_attention(q, k, v, impl, window)  # flex builds its block mask when none is passed
-    torch.testing.assert_close(got, causal_attention(q, k, v, "manual", window), rtol=1e-4, atol=1e-5)
+    got = causal_attention(q, k, v, impl, window, chunked=chunked)  # flex builds its block mask when none is passed
+    expected = causal_attention(q, k, v, "manual", window, chunked=chunked)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    if chunked:  # and differs from the sliding window of the same length
+        assert not torch.allclose(expected, causal_attention(q, k, v, "manual", window))
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "flex"])
@@ -143,6 +147,39 @@ def test_window_restricts_attention_to_recent_tokens():
     mask = causal_mask(6, 3, "cpu")
     assert mask[5].tolist() == [False, False, False, True, True, True]
     assert mask[1].tolist() == [True, True, False, False, False, False]
+
+
+def test_chunked_window_restricts_attention_to_the_querys_aligned_block():
+    mask = causal_mask(6, 3, "cpu", chunked=True)
+    assert mask[5].tolist() == [False, False, False, True, True, True]
+    assert mask[3].tolist() == [False, False, False, True, False, False]  # a block's first query sees itself only
+    assert mask[2].tolist() == [True, True, True, False, False, False]
+    # With a KV cache the blocks stay aligned to absolute positions: queries 4, 5 after 4 cached keys.
+    assert causal_mask(2, 3, "cpu", n_keys=6, chunked=True).tolist() == [
+        [False, False, False, True, True, False], [False, False, False, True, True, True]]
+
+
+@pytest.mark.parametrize("T", [24, 21])  # whole blocks of 6, and a last block cut short
+def test_chunked_local_layers_train_through_sdpa_and_match_manual(T):
+    # The SDPA path (blocks as a batch) against the manual path's mask, with gradients: the recipe trains
+    # through it. Blocks stay independent: a local layer's output at a block's first position ignores the
+    # positions before it, which the LLLG model's global layer then sees.
+    torch.manual_seed(0)
+    config = with_overrides(TINY, vocab_size=64, n_layer=4, window=6, window_pattern="LLLG", window_kind="chunked")
+    model, manual = GPT(config), GPT(with_overrides(config, attn_impl="manual"))
+    manual.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 64, (2, T))
+    loss, manual_loss = model(idx, idx)[1], manual(idx, idx)[1]
+    torch.testing.assert_close(loss, manual_loss, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    manual_loss.backward()
+    for (name, p), q in zip(model.named_parameters(), manual.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    all_local = GPT(with_overrides(config, window_pattern="L")).eval()
+    all_local.load_state_dict(model.state_dict())
+    assert next_token_logit_grads(all_local, idx, 6)[0, :6].abs().sum() == 0
+    assert next_token_logit_grads(all_local, idx, 5)[0, :6].abs().sum() > 0
+    assert next_token_logit_grads(model.eval(), idx, 6)[0, :6].abs().sum() > 0
 
 
 def test_sdpa_with_a_window_falls_back_with_one_notice(capsys):
@@ -413,6 +450,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
     (dict(moe_experts=4, moe_layers="1,99"), "indices must lie in 0..11"),
     (dict(moe_experts=4, moe_topk=5), "moe_topk=5 exceeds"),
     (dict(window=8, window_pattern="LX"), "made of L and G"),
+    (dict(window=8, window_kind="blocks"), "window_kind='blocks' is not one of sliding, chunked"),
     (dict(kv_lora_rank=64, mla_rope_dim=64), "mla_rope_dim=64"),
     (dict(mlp_act="geglu"), "mlp_act='geglu'"),
     (dict(kv_lora_rank=64, value_residual=True), "value_residual"),
