@@ -203,8 +203,9 @@ VARIANTS: dict[str, GPTConfig] = {
         D12, n_head=6,  # head_dim 128
         # Tied head: 0.07 lower at P40 than untied (five runs against four, docs/RESULTS.md), 38.6M fewer parameters.
         qk_norm=True, mlp_act="relu2", zero_init_proj=True, scale_attn_branch=False, tie_embeddings=True,
-        # MLP 3x (hidden 2304): +10% tokens/s on an H100 and 0.04 lower at P40 than 4x (two seeds each,
-        # docs/RESULTS.md); 14.2M fewer parameters.
+        # MLP 3x (hidden 2304): +8.4% tokens/s on an H100 and 0.04 lower at P40 than 4x (two seeds each,
+        # docs/RESULTS.md); 14.2M fewer parameters. P40's short horizon favours the smaller model; the 524M-token
+        # FineWeb run may value the 4x MLP's capacity more (not measured here).
         mlp_ratio=3,
         logit_softcap=15.0, embed_norm=True, x0_mix=True, value_residual=True, unet_skips=True,
         # +9.3% tokens/s on an H100, same losses. Not the FP8 head: +1.9% tokens/s there, but at P40 it needed
@@ -214,7 +215,7 @@ VARIANTS: dict[str, GPTConfig] = {
         # linear layers: its casts cost more than its products save at this width, -7.3% (docs/RESULTS.md).
         bf16_residual=True,
         # Three of four layers attend within aligned blocks of 256 tokens, every fourth over the whole sequence:
-        # 0.04 lower at P40 (two seeds each) and +1.5% tokens/s there (docs/RESULTS.md).
+        # 0.04 lower at P40 (two seeds each), +1.9% tokens/s at the FineWeb defaults on an H100 (docs/RESULTS.md).
         window=256, window_pattern="LLLG", window_kind="chunked"),
 }
 
@@ -226,14 +227,14 @@ RECIPES: dict[str, dict] = {
     # muon_lr 0.03 beat 0.05 and 0.08 in the P40 sweep; the other values follow the modded-nanogpt lineage.
     # The tied head trains in the head's group (learning_rate); embed_lr is the input embedding's peak when
     # it is untied (`--tie_embeddings false`, the recipe before the P40 tied/untied runs).
-    # Micro-batches of 32x1024 (8 per step): +5.0% tokens/s over 16x1024 on an H100 at 19.3 GiB peak, inside
-    # the 22 GiB a 24 GB card leaves (docs/RESULTS.md); --batch_size 16 needs 10.6 GiB and keeps the step.
+    # Micro-batches of 32x1024 (8 per step): +5.0% tokens/s over 16x1024 on an H100 (docs/RESULTS.md, session
+    # 7); the peak is 18.0 GiB, inside the 22 GiB a 24 GB card leaves; --batch_size 16 keeps the step with less.
     "d12_fast": dict(
         optimizer="muon", muon_lr=0.03, muon_momentum_warmup=300, learning_rate=0.008, embed_lr=0.3,
         scalar_lr=0.04, weight_decay=0.0, total_batch_size=262144, batch_size=32, num_iterations=2000, warmup_iters=0,
         warmdown_iters=1000, lr_floor=0.1, val_loss_every=125,
         # Inductor's coordinate-descent tuning (NoCap's setting, d12's default): +0.4% tokens/s for 96 s more
-        # compile on an H100 (docs/RESULTS.md) — about 5 s saved over the ~20-minute run. Off.
+        # compile on an H100 (docs/RESULTS.md) — about 4 s saved over the ~16-minute run. Off.
         coordinate_descent_tuning=False),
 }
 

@@ -1265,9 +1265,11 @@ def peak_flops(device: torch.device) -> float | None:
 
 def flops_per_token(model: GPT, seq_len: int) -> float:
     """Training FLOPs per token, PaLM convention: 6 per matmul parameter (forward + backward) plus
-    attention's QK^T and AV, 12 * n_layer * T * n_embd."""
+    attention's QK^T and AV, 12 * T * n_embd per layer, where a local layer's T is its window (at most the
+    sequence): a chunked or sliding window does that much less attention work, and MFU should not count it."""
     c = model.config
-    return 6 * model.matmul_params() + 12 * c.n_layer * seq_len * c.n_embd
+    spans = (min(c.layer_window(layer) or seq_len, seq_len) for layer in range(c.n_layer))
+    return 6 * model.matmul_params() + 12 * sum(spans) * c.n_embd
 
 
 # =============================================================================

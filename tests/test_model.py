@@ -2,6 +2,7 @@
 the model is causal; it can learn."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -58,6 +59,14 @@ def test_d12_shape_parameters_and_tied_head():
     assert flops_per_token(model, 1024) == 6 * (V * d + L * 12 * d * d) + 12 * L * 1024 * d
     assert model.transformer.h[0].attn_scale == pytest.approx(1 / math.sqrt(24))
     assert not any(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
+
+
+def test_flops_count_the_attention_local_layers_do():
+    # LLLG with a 256 window: 9 layers attend over 256 positions, 3 over the whole 1024 (chunked or sliding).
+    with torch.device("meta"):
+        local, full = GPT(replace(D12, window=256, window_pattern="LLLG", window_kind="chunked")), GPT(D12)
+    assert flops_per_token(local, 1024) == flops_per_token(full, 1024) - 12 * 9 * (1024 - 256) * 768
+    assert flops_per_token(local, 128) == flops_per_token(full, 128)  # a window past the sequence changes nothing
 
 
 def test_init_is_pytorch_default():
