@@ -127,9 +127,11 @@ def test_attention_backends_equal_manual(impl, window, kv_heads, chunked):
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "flex"])
-def test_hybrid_local_global_model_equals_manual(impl):
+@pytest.mark.parametrize("kind", ["sliding", "chunked"])
+def test_hybrid_local_global_model_equals_manual(impl, kind):
     torch.manual_seed(0)
-    config = with_overrides(TINY, vocab_size=64, n_layer=4, window=6, window_pattern="LLLG", attn_impl=impl)
+    config = with_overrides(TINY, vocab_size=64, n_layer=4, window=6, window_pattern="LLLG", attn_impl=impl,
+                            window_kind=kind)
     assert [config.layer_window(i) for i in range(4)] == [6, 6, 6, 0]
     model, manual = GPT(config), GPT(with_overrides(config, attn_impl="manual"))
     manual.load_state_dict(model.state_dict())
