@@ -269,17 +269,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], dim=-1)
 
 
+def may_attend(i: torch.Tensor, j: torch.Tensor, window: int, chunked: bool) -> torch.Tensor:
+    """True where query position i may attend to key position j: j <= i, and if window, i - j < window
+    (sliding) or i and j in the same aligned block of `window` positions (chunked). Elementwise on index
+    tensors, so the dense mask and FlexAttention's mask_mod are the same rule."""
+    causal = j <= i
+    if not window:
+        return causal
+    return causal & (i // window == j // window if chunked else i - j < window)
+
+
 def causal_mask(T: int, window: int, device, n_keys: int | None = None, chunked: bool = False) -> torch.Tensor:
-    """(T, n_keys) boolean, True where query i may attend to key j: j <= i, and if window, i - j < window
-    (sliding) or i and j in the same aligned block of `window` positions (chunked). With a KV cache the T
-    queries are the last T of n_keys positions."""
+    """(T, n_keys) boolean, may_attend for every query and key. With a KV cache the T queries are the last
+    T of n_keys positions."""
     n_keys = n_keys or T
     i = torch.arange(n_keys - T, n_keys, device=device)[:, None]
     j = torch.arange(n_keys, device=device)[None, :]
-    allowed = j <= i
-    if not window:
-        return allowed
-    return allowed & (i // window == j // window if chunked else i - j < window)
+    return may_attend(i, j, window, chunked)
 
 
 _flex_masks: dict = {}
@@ -288,16 +294,14 @@ _flex_masks: dict = {}
 @torch.compiler.disable
 def flex_block_masks(T: int, windows, device: torch.device, chunked: bool = False) -> dict:
     """FlexAttention's block-sparse masks for causal attention, one per window in windows (0: no window;
-    see causal_mask for chunked), built eagerly and cached per shape. Kept out of the compiled graph; called
+    see may_attend for chunked), built eagerly and cached per shape. Kept out of the compiled graph; called
     once at the top of the forward, where the split it makes is resumable (a call per window inside a loop
     would not be)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def causal_within(window: int):
         def mask_mod(b, h, q, kv):
-            if not window:
-                return kv <= q
-            return (kv <= q) & (kv // window == q // window if chunked else q - kv < window)
+            return may_attend(q, kv, window, chunked)
         return mask_mod
     keys = {window: (T, window, chunked and window > 0, str(device)) for window in windows}
     for window, key in keys.items():
@@ -310,7 +314,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
                      block_mask=None, chunked: bool = False) -> torch.Tensor:
     """The attention seam. q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim) with n_kv_head
     dividing n_head (grouped-query attention); returns (B, n_head, T, head_dim). window and chunked: see
-    causal_mask."""
+    may_attend."""
     grouped = k.size(1) != q.size(1)
     if impl == "manual":  # the definition, kept as the reference every fused path is tested against
         if grouped:
