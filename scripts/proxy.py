@@ -1,0 +1,408 @@
+"""The proxy benchmarks of docs/BENCHMARKS.md: P100 decides recipes, P40 is the quick check.
+
+FineWeb cannot be reached from every machine, so recipes are compared on a FineWeb-like proxy corpus
+with NoCap's validation protocol. A protocol fixes the training shards (read in order), the validation
+tokens, the real-FineWeb shards every final checkpoint is also scored on, and the reference run
+("d12@P100") that candidates are measured against.
+
+    python scripts/proxy.py stage --src DIR --data DIR        unpack the shards in DIR (.bin or .bin.xz)
+    python scripts/proxy.py flags P100 d12 --budget 25M       a spec's trainer flags under a protocol
+    python scripts/proxy.py run P100 SPEC [SPEC ...]          train each spec, score the checks, print a table
+
+A SPEC is `MODEL` or `NAME:MODEL FLAGS...`. A model runs its form under the protocol (d12_fast's measured
+schedule), else the reference schedule. `--budget TOKENS` (25M, 1.5e8, ...) among the FLAGS re-sizes that
+schedule to about TOKENS training tokens, keeping its shape: warmup, warmdown, Muon's momentum warmup and the
+evaluation interval stay the same fractions of the run. Other FLAGS are passed to train_gpt2.py and win.
+`run` starts a spec only when the shards it will read are in --data (so shards can be staged while earlier
+runs train) and skips specs whose run directory already holds a finished run.
+"""
+
+import argparse
+import json
+import lzma
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from model_variants import RECIPES  # noqa: E402
+from train_gpt2 import InputError, parse_args, read_shard_header, resolve_grad_accumulation  # noqa: E402
+
+# NoCap-Test's baseline schedule: 4768 steps, 256 of linear warmup, a linear warmdown over the last 1024.
+NOCAP_STEPS, NOCAP_WARMUP, NOCAP_WARMDOWN = 4768, 256, 1024
+# Flags counted in optimizer steps: what --budget scales with the run's length.
+STEP_FLAGS = ("num_iterations", "warmup_iters", "warmdown_iters", "muon_momentum_warmup", "val_loss_every")
+# Every proxy run: the whole schedule (no early stop), scored under autocast like training (bf16: a sweep
+# setting, so proxy losses are compared only with proxy losses), no coordinate-descent tuning (compile time).
+COMMON_FLAGS = dict(target_val_loss=0, val_dtype="bf16", coordinate_descent_tuning=False)
+FWTEXTFIXER = ("fwtextfixer_val_000000.bin", 212_992)  # 300 general FineWeb documents
+FWLEGAL = ("fwlegal_val_000000.bin", 1_048_576)  # FineWeb documents around legal topics (biased, but many)
+
+
+def reference_schedule(steps: int, learning_rate: float) -> dict:
+    """d12 with NoCap's recipe shape at 16x1024 x 8 = 131,072 tokens per step: AdamW (0.9, 0.95), weight
+    decay 0.1, warmup and warmdown the same fractions of the run as NoCap's 256 and 1024 of 4768 steps,
+    16 evaluations."""
+    return dict(batch_size=16, grad_accumulation_steps=8, sequence_length=1024, num_iterations=steps,
+                learning_rate=learning_rate, weight_decay=0.1, warmup_iters=round(steps * NOCAP_WARMUP / NOCAP_STEPS),
+                warmdown_iters=round(steps * NOCAP_WARMDOWN / NOCAP_STEPS), val_loss_every=max(1, steps // 16),
+                val_batch_size=16)
+
+
+@dataclass(frozen=True)
+class Protocol:
+    name: str
+    train_shards: tuple[str, ...]  # read in this order, one pass
+    checks: tuple[tuple[str, int], ...]  # (shard, tokens): real-FineWeb losses of the final checkpoint
+    reference: dict  # trainer flags of d12@<name>, the run every candidate is measured against
+    forms: dict  # model -> trainer flags of its recipe under this protocol (on top of model_variants.RECIPES)
+    val_shard: str = "mix_val_000000.bin"  # the first 1,048,576 tokens are scored (NoCap protocol)
+    shard_tokens: int = 20_000_000
+
+    @property
+    def tokens(self) -> int:
+        return self.shard_tokens * len(self.train_shards)
+
+    @property
+    def train_glob(self) -> str:
+        return f"mix_train_00000[1-{len(self.train_shards)}].bin"
+
+
+PROTOCOLS = {
+    "P40": Protocol(
+        "P40", tuple(f"mix_train_00000{i}.bin" for i in (1, 2)), (FWTEXTFIXER,),
+        # d12@P40: 300 steps of 131,072 tokens (39.3M), AdamW lr 6e-4, 64 warmup / 96 warmdown.
+        reference=dict(batch_size=16, grad_accumulation_steps=8, sequence_length=1024, num_iterations=300,
+                       learning_rate=6e-4, weight_decay=0.1, warmup_iters=64, warmdown_iters=96, val_loss_every=40,
+                       val_batch_size=16),
+        # 200 steps of one 32x1024 micro-batch = 6.55M tokens; d12_fast crosses d12@P40's final loss near 5M.
+        forms={"d12_fast": dict(batch_size=32, grad_accumulation_steps=1, sequence_length=1024, num_iterations=200,
+                                warmdown_iters=100, muon_momentum_warmup=60, val_loss_every=20, val_batch_size=16)}),
+    "P100": Protocol(
+        "P100", tuple(f"mix_train_00000{i}.bin" for i in range(1, 6)), (FWTEXTFIXER, FWLEGAL),
+        # d12@P100: 762 steps = 99.9M tokens; its learning rate is the best of 6e-4 / 1.2e-3 / 1.8e-3.
+        reference=reference_schedule(762, 1.8e-3),
+        forms={}),
+}
+
+
+def parse_tokens(text: str) -> int:
+    """25M, 1.5e8, 2B, 40000 -> a token count."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9}.get(text[-1:].upper(), 1)
+    try:
+        value = float(text[:-1] if scale != 1 else text) * scale
+    except ValueError:
+        raise InputError(f"--budget {text!r}: expected a token count such as 25M, 1.5e8 or 40000") from None
+    if value < 1:
+        raise InputError(f"--budget {text!r} must be at least one token")
+    return round(value)
+
+
+def as_flags(values: dict) -> list[str]:
+    return [f"--{flag}" if value is True else f"--no-{flag}" if value is False else f"--{flag}={value}"
+            for flag, value in values.items()]
+
+
+@dataclass
+class Spec:
+    name: str
+    model: str
+    flags: list[str]  # train_gpt2.py flags, schedule first, the spec's own last (they win)
+    tokens_per_step: int
+    steps: int
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.tokens_per_step
+
+
+def trainer_args(model: str, flags: list[str]):
+    """The trainer's view of a command line (recipe defaults applied); bad flags become InputError."""
+    try:
+        return parse_args(["--model", model, *flags])
+    except SystemExit:  # argparse already printed its usage line
+        raise InputError(f"{model}: the flags {' '.join(flags)!r} are not train_gpt2.py flags") from None
+
+
+def tokens_per_step(args) -> int:
+    return args.batch_size * args.sequence_length * resolve_grad_accumulation(args, world_size=1)
+
+
+def parse_spec(protocol: Protocol, text: str, common: list[str] = ()) -> Spec:
+    """`MODEL` or `NAME:MODEL FLAGS...` -> the run's name, model and complete trainer flags."""
+    head, _, rest = text.partition(":") if ":" in text.split()[0] else ("", "", text)
+    words = shlex.split(rest)
+    if not words:
+        raise InputError(f"spec {text!r}: no model")
+    model, own = words[0], [*common, *words[1:]]  # the spec's own flags last: they win
+    name = head or model
+    budget = None
+    if "--budget" in own:
+        i = own.index("--budget")
+        if i + 1 == len(own):
+            raise InputError(f"spec {text!r}: --budget needs a token count")
+        budget = parse_tokens(own[i + 1])
+        own = own[:i] + own[i + 2:]
+    if model in protocol.forms:
+        schedule = dict(protocol.forms[model])
+    elif model in RECIPES:
+        schedule = {}  # its FineWeb recipe, which --budget re-sizes
+    else:
+        schedule = dict(protocol.reference)
+    args = trainer_args(model, [*as_flags(schedule), *own])
+    step_tokens = tokens_per_step(args)
+    if budget is not None:
+        if "--num_iterations" in own or any(w.startswith("--num_iterations=") for w in own):
+            raise InputError(f"spec {text!r}: pass --budget or --num_iterations, not both")
+        steps = max(1, round(budget / step_tokens))
+        for flag in STEP_FLAGS:  # the same fractions of the run, at the new length
+            value = getattr(args, flag)
+            scaled = round(value * steps / args.num_iterations)
+            schedule[flag] = max(1, scaled) if flag == "val_loss_every" and value > 0 else min(scaled, steps)
+        schedule["num_iterations"] = steps
+        args = trainer_args(model, [*as_flags(schedule), *own])
+    elif args.num_iterations * step_tokens > protocol.tokens:
+        raise InputError(f"spec {text!r}: {model}'s schedule reads {args.num_iterations * step_tokens / 1e6:,.0f}M "
+                         f"tokens, more than {protocol.name}'s {protocol.tokens / 1e6:.0f}M; pass --budget")
+    flags = [*as_flags(COMMON_FLAGS), *as_flags(schedule), *own]
+    return Spec(name, model, flags, step_tokens, args.num_iterations)
+
+
+# -----------------------------------------------------------------------------
+# Data: staging (unpacking what has arrived) and which shards a run reads
+
+def stage(src: str, data: str) -> list[str]:
+    """Unpack each `.bin.xz` of src into data (and copy each `.bin`) unless already there; returns the new
+    files. Written under a temporary name and renamed, so a file in data is always complete."""
+    os.makedirs(data, exist_ok=True)
+    added = []
+    for entry in sorted(os.listdir(src)):
+        if not entry.endswith((".bin", ".bin.xz")):
+            continue
+        dest = os.path.join(data, entry.removesuffix(".xz"))
+        if os.path.exists(dest):
+            continue
+        tmp = f"{dest}.tmp{os.getpid()}"
+        try:
+            with (lzma.open if entry.endswith(".xz") else open)(os.path.join(src, entry), "rb") as fin, \
+                    open(tmp, "wb") as fout:
+                shutil.copyfileobj(fin, fout, 1 << 24)
+            read_shard_header(tmp)
+        except (lzma.LZMAError, EOFError, InputError) as e:
+            os.remove(tmp)
+            raise InputError(f"{os.path.join(src, entry)}: not a complete token shard ({e}); copy it again") from None
+        os.replace(tmp, dest)
+        added.append(dest)
+    return added
+
+
+def shards_ready(protocol: Protocol, spec: Spec, data: str) -> bool:
+    """Whether the shards this run reads are in data: the present prefix of the protocol's shards holds all
+    its micro-batches (walked as the trainer's loader walks them), or every shard is there."""
+    args = trainer_args(spec.model, spec.flags)
+    window = args.batch_size * args.sequence_length
+    needed = spec.steps * resolve_grad_accumulation(args, world_size=1)
+    for shard in protocol.train_shards:
+        path = os.path.join(data, shard)
+        if not os.path.exists(path):
+            return False
+        needed -= (read_shard_header(path) - 1) // window  # a shard is left when the next window does not fit
+        if needed <= 0:
+            return True
+    return True  # the run reads every shard (more than one pass)
+
+
+# -----------------------------------------------------------------------------
+# Running specs
+
+def train_command(protocol: Protocol, spec: Spec, data: str, runs_dir: str) -> list[str]:
+    return [sys.executable, os.path.join(REPO, "train_gpt2.py"), "--model", spec.model,
+            "--input_bin", os.path.join(data, protocol.train_glob),
+            "--input_val_bin", os.path.join(data, protocol.val_shard),
+            "--output_dir", runs_dir, "--run_name", spec.name, *spec.flags]
+
+
+def score_checks(protocol: Protocol, run_dir: str, data: str) -> dict:
+    """The final checkpoint's loss on each real-FineWeb check shard present in data."""
+    checkpoints = sorted(f for f in os.listdir(run_dir) if f.startswith("ckpt_") and f.endswith(".pt"))
+    with open(os.path.join(run_dir, "config.json")) as f:
+        val_batch_size = json.load(f)["args"]["val_batch_size"]
+    scores = {}
+    for shard, val_tokens in protocol.checks:
+        if not checkpoints or not os.path.exists(os.path.join(data, shard)):
+            continue
+        out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "eval_checkpoint.py"),
+                              "--checkpoint", os.path.join(run_dir, checkpoints[-1]), "--val_bin",
+                              os.path.join(data, shard), "--val_tokens", str(val_tokens),
+                              "--val_batch_size", str(val_batch_size)], capture_output=True, text=True)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("val_loss:")]
+        if out.returncode != 0 or not lines:
+            print(f"{os.path.basename(run_dir)}: {shard} not scored: {out.stderr.strip()[-300:]}", flush=True)
+        scores[shard] = float(lines[0].split()[1]) if out.returncode == 0 and lines else None
+    return scores
+
+
+def finished(run_dir: str) -> bool:
+    path = os.path.join(run_dir, "summary.json")
+    return os.path.exists(path) and json.load(open(path)).get("status") == "completed"
+
+
+def archive(work: str, path: str):
+    """The small files of every run (metrics, config, summary, checks, log) as one .tgz, written atomically."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for sub in ("runs", "logs"):
+            top = os.path.join(work, sub)
+            for root, _, files in os.walk(top) if os.path.isdir(top) else ():
+                for f in files:
+                    if f.endswith((".jsonl", ".json", ".log", ".txt")):
+                        full = os.path.join(root, f)
+                        tar.add(full, arcname=os.path.relpath(full, work))
+    os.replace(tmp, path)
+
+
+def run_specs(protocol: Protocol, specs: list[Spec], data: str, work: str, jobs: int, wait_s: float,
+              src: str | None = None, archive_path: str | None = None, poll_s: float = 1.0) -> list[str]:
+    """Train the specs, up to `jobs` at once, each as soon as its shards are in data; score the checks of
+    each finished run and delete its checkpoint. Returns the run directories that finished."""
+    runs_dir, logs_dir = os.path.join(work, "runs"), os.path.join(work, "logs")
+    os.makedirs(runs_dir, exist_ok=True)
+    os.makedirs(logs_dir, exist_ok=True)
+    pending = []
+    for spec in specs:
+        run_dir = os.path.join(runs_dir, spec.name)
+        if finished(run_dir):
+            print(f"{spec.name}: already finished in {run_dir}", flush=True)
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts again from the beginning
+            pending.append(spec)
+    running: dict = {}
+    give_up = time.monotonic() + wait_s
+    while pending or running:
+        if src is not None:
+            stage(src, data)
+        for spec in [s for s in pending if shards_ready(protocol, s, data)]:
+            if len(running) >= jobs:
+                break
+            pending.remove(spec)
+            log = open(os.path.join(logs_dir, f"{spec.name}.log"), "w")
+            print(f"start {spec.name}: {spec.model} {' '.join(spec.flags)}", flush=True)
+            running[spec.name] = (subprocess.Popen(train_command(protocol, spec, data, runs_dir), stdout=log,
+                                                   stderr=subprocess.STDOUT, env=dict(os.environ,
+                                                                                      PYTHONUNBUFFERED="1")), log)
+        for name, (proc, log) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            del running[name]
+            run_dir = os.path.join(runs_dir, name)
+            if proc.returncode == 0 and finished(run_dir):
+                checks = score_checks(protocol, run_dir, data)
+                with open(os.path.join(run_dir, "checks.json"), "w") as f:
+                    json.dump(checks, f)
+                print(f"done {name}: " + json.dumps({"val_loss": json.load(open(
+                    os.path.join(run_dir, "summary.json")))["final_val_loss"], **checks}), flush=True)
+            else:
+                print(f"failed {name}: exit {proc.returncode}, see {os.path.join(logs_dir, name + '.log')}", flush=True)
+            for f in os.listdir(run_dir) if os.path.isdir(run_dir) else ():
+                if f.startswith("ckpt_"):
+                    os.remove(os.path.join(run_dir, f))  # ~1.5 GB each; the checks have been scored
+            if archive_path:
+                archive(work, archive_path)
+        if pending and not running and time.monotonic() > give_up:
+            for spec in pending:
+                print(f"failed {spec.name}: its shards did not arrive in {data} within {wait_s:.0f}s", flush=True)
+            break
+        if pending or running:
+            time.sleep(poll_s)
+    return [os.path.join(runs_dir, s.name) for s in specs if finished(os.path.join(runs_dir, s.name))]
+
+
+def print_table(run_dirs: list[str], jobs: int, table_path: str):
+    """compare_runs' table (time and tokens to the first run's final loss) and each run's checks."""
+    if not run_dirs:
+        return
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import compare_runs
+    runs = [compare_runs.load_run(d) for d in run_dirs]
+    lines = [compare_runs.comparison_table(compare_runs.group_runs(runs), runs[0]["evals"][-1]["val_loss"])]
+    if jobs > 1:
+        lines.append(f"(--jobs {jobs}: runs shared the GPU, so their times and tokens/s mean nothing; read tokens)")
+    for d in run_dirs:
+        checks_path = os.path.join(d, "checks.json")
+        checks = json.load(open(checks_path)) if os.path.exists(checks_path) else {}
+        lines.append(f"{os.path.basename(d)} checks: " + ", ".join(f"{k} {v:.4f}" for k, v in checks.items()
+                                                                    if v is not None))
+    text = "\n".join(lines)
+    print(text)
+    with open(table_path, "w") as f:
+        f.write(text + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("stage", help="unpack the shards of --src into --data")
+    s.add_argument("--src", required=True, help="folder of proxy shards (.bin or .bin.xz)")
+    s.add_argument("--data", required=True, help="where the unpacked .bin shards go")
+    f = sub.add_parser("flags", help="print a spec's trainer flags")
+    f.add_argument("protocol", choices=PROTOCOLS)
+    f.add_argument("spec", help="MODEL or 'NAME:MODEL FLAGS...'")
+    r = sub.add_parser("run", help="train specs under a protocol and print the comparison")
+    r.add_argument("protocol", choices=PROTOCOLS)
+    r.add_argument("specs", nargs="+", help="MODEL or 'NAME:MODEL FLAGS...'; the first is the reference")
+    r.add_argument("--data", default="/tmp/proxy", help="folder of unpacked shards")
+    r.add_argument("--src", default=None, help="also unpack new shards from this folder while running")
+    r.add_argument("--work", default=None, help="run directories and logs (default logs/<protocol>-<time>)")
+    r.add_argument("--jobs", type=int, default=1,
+                   help="runs at once on the GPU; above 1 for losses only (shared GPU: times mean nothing)")
+    r.add_argument("--flags", default="", help="extra train_gpt2.py flags for every spec (e.g. '--seed 1')")
+    r.add_argument("--wait", type=float, default=0, help="seconds to wait for shards that are not there yet")
+    r.add_argument("--archive", default=None, help="also keep the runs' small files in this .tgz")
+    args = p.parse_args(argv)
+
+    def act() -> int:
+        if args.command == "stage":
+            if not os.path.isdir(args.src):
+                raise InputError(f"--src {args.src}: no such folder")
+            for path in stage(args.src, args.data):
+                print(f"staged {path}")
+            for entry in sorted(os.listdir(args.data)):
+                if entry.endswith(".bin"):
+                    print(f"{entry}: {read_shard_header(os.path.join(args.data, entry)):,} tokens")
+            return 0
+        protocol = PROTOCOLS[args.protocol]
+        if args.command == "flags":
+            print(" ".join(shlex.quote(w) for w in parse_spec(protocol, args.spec).flags))
+            return 0
+        common = shlex.split(args.flags)
+        specs = [parse_spec(protocol, text, common) for text in args.specs]
+        if len({s.name for s in specs}) < len(specs):
+            raise InputError("two specs share a run name; name them (NAME:MODEL FLAGS...)")
+        if args.jobs < 1:
+            raise InputError(f"--jobs {args.jobs} must be >= 1")
+        work = args.work or os.path.join("logs", f"{protocol.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        for spec in specs:
+            passes = spec.tokens / protocol.tokens
+            note = f" ({passes:.1f} passes)" if passes > 1.01 else ""
+            print(f"{spec.name}: {spec.steps} steps x {spec.tokens_per_step:,} = {spec.tokens / 1e6:.1f}M tokens{note}")
+        done = run_specs(protocol, specs, args.data, work, args.jobs, args.wait, args.src, args.archive)
+        print_table(done, args.jobs, os.path.join(work, "table.txt"))
+        return 0 if len(done) == len(specs) else 1
+
+    try:
+        return act()
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

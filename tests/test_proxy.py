@@ -1,0 +1,162 @@
+"""scripts/proxy.py: the protocols' schedules, --budget re-sizing, staging, and runs that start only when
+their shards are there."""
+
+import json
+import lzma
+import os
+import sys
+
+import pytest
+
+from conftest import REPO, make_shards
+
+sys.path.insert(0, str(REPO / "scripts"))
+import proxy  # noqa: E402
+from train_gpt2 import InputError, parse_args  # noqa: E402
+
+
+def trainer_view(protocol: str, spec: str):
+    parsed = proxy.parse_spec(proxy.PROTOCOLS[protocol], spec)
+    return parsed, vars(parse_args(["--model", parsed.model, *parsed.flags]))
+
+
+def test_p100_reference_is_nocaps_shape_at_131072_tokens_per_step():
+    spec, args = trainer_view("P100", "d12")
+    assert spec.tokens_per_step == 131_072 and spec.steps == 762 and spec.tokens == 99_876_864
+    assert (args["warmup_iters"], args["warmdown_iters"]) == (41, 164)  # 256 and 1024 of NoCap's 4768 steps
+    assert (args["weight_decay"], args["optimizer"], args["val_dtype"], args["target_val_loss"]) == \
+        (0.1, "adamw", "bf16", 0)
+
+
+def test_p40_schedules_are_the_reference_run_and_d12_fasts_measured_form():
+    _, d12 = trainer_view("P40", "d12")
+    assert {k: d12[k] for k in ("grad_accumulation_steps", "num_iterations", "learning_rate", "weight_decay",
+                                "warmup_iters", "warmdown_iters", "optimizer")} == dict(
+        grad_accumulation_steps=8, num_iterations=300, learning_rate=6e-4, weight_decay=0.1, warmup_iters=64,
+        warmdown_iters=96, optimizer="adamw")
+    # d12_fast's P40 run: exactly the flags of the headline measurement in docs/RESULTS.md.
+    _, fast = trainer_view("P40", "d12_fast")
+    measured = dict(optimizer="muon", muon_lr=0.03, muon_momentum_warmup=60, learning_rate=0.008, embed_lr=0.3,
+                    scalar_lr=0.04, weight_decay=0.0, grad_accumulation_steps=1, num_iterations=200,
+                    warmup_iters=0, warmdown_iters=100, lr_floor=0.1, val_loss_every=20, total_batch_size=None,
+                    batch_size=32, sequence_length=1024, val_batch_size=16)
+    assert {k: fast[k] for k in measured} == measured
+
+
+def test_budget_keeps_the_schedules_shape():
+    spec, args = trainer_view("P100", "d12 --budget 25M")
+    assert spec.steps == 191 == args["num_iterations"]  # 25M / 131,072
+    assert (args["warmup_iters"], args["warmdown_iters"], args["val_loss_every"]) == (10, 41, 12)
+    # d12_fast's FineWeb recipe (2000 steps, cooldown 1000, momentum warmup 300, evaluation every 125) at
+    # a smaller batch: the same fractions of a 305-step run.
+    spec, args = trainer_view("P100", "small:d12_fast --budget 20M --total_batch_size 65536")
+    assert (spec.name, spec.steps, spec.tokens_per_step) == ("small", 305, 65_536)
+    assert (args["warmdown_iters"], args["muon_momentum_warmup"], args["val_loss_every"]) == (152, 46, 19)
+    assert args["optimizer"] == "muon" and args["lr_floor"] == 0.1  # the rest of the recipe stays
+
+
+def test_the_specs_own_flags_win_over_the_schedule():
+    _, args = trainer_view("P100", "lr:d12 --learning_rate 1.2e-3 --budget 50M --warmdown_iters 7")
+    assert (args["learning_rate"], args["warmdown_iters"], args["num_iterations"]) == (1.2e-3, 7, 381)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("d12_fast", "more than P100's 100M; pass --budget"),
+    ("d12 --budget 25M --num_iterations 9", "pass --budget or --num_iterations, not both"),
+    ("d12 --budget lots", "expected a token count"),
+    ("d12 --budget", "--budget needs a token count"),
+    ("d12 --no_such_flag 1", "not train_gpt2.py flags"),
+])
+def test_bad_specs_are_one_clear_error(spec, message):
+    with pytest.raises(InputError, match=message.replace("(", r"\(")):
+        proxy.parse_spec(proxy.PROTOCOLS["P100"], spec)
+
+
+def xz_copy(raw, src, names):
+    src.mkdir(exist_ok=True)
+    for name in names:
+        (src / f"{name}.xz").write_bytes(lzma.compress((raw / name).read_bytes(), format=lzma.FORMAT_XZ))
+
+
+def test_stage_unpacks_what_has_arrived_and_refuses_a_torn_file(tmp_path):
+    raw, src, data = tmp_path / "raw", tmp_path / "src", tmp_path / "data"
+    make_shards(raw, prefix="mix", n_train=2)
+    xz_copy(raw, src, ["mix_train_000001.bin"])
+    assert [os.path.basename(p) for p in proxy.stage(str(src), str(data))] == ["mix_train_000001.bin"]
+    assert (data / "mix_train_000001.bin").read_bytes() == (raw / "mix_train_000001.bin").read_bytes()
+    assert proxy.stage(str(src), str(data)) == []  # already there
+    torn = lzma.compress((raw / "mix_train_000002.bin").read_bytes(), format=lzma.FORMAT_XZ)
+    (src / "mix_train_000002.bin.xz").write_bytes(torn[: len(torn) // 2])
+    with pytest.raises(InputError, match="mix_train_000002.bin.xz: not a complete token shard"):
+        proxy.stage(str(src), str(data))
+    assert sorted(os.listdir(data)) == ["mix_train_000001.bin"]  # nothing half-written is left
+
+
+TINY = ("--vocab_size 256 --device cpu --batch_size 2 --sequence_length 32 --grad_accumulation_steps 1 "
+        "--val_batch_size 2 --val_tokens 256 --n_layer 1 --n_embd 32 --n_head 2 --learning_rate 1e-2 "
+        "--warmup_iters 1 --warmdown_iters 2")
+
+
+def tiny_protocol(**changes):
+    checks = (("fwtextfixer_val_000000.bin", 256), ("fwlegal_val_000000.bin", 512))
+    return proxy.Protocol("P100", tuple(f"mix_train_00000{i}.bin" for i in (1, 2)), checks,
+                          reference=dict(num_iterations=8, val_loss_every=4), forms={}, **changes)
+
+
+def test_a_run_starts_only_when_its_shards_are_there(tmp_path):
+    data = tmp_path / "data"
+    make_shards(data, prefix="mix", n_train=2, train_tokens=2_000)  # 31 windows of 2x32 per shard
+    os.remove(data / "mix_train_000002.bin")
+    protocol = tiny_protocol()
+    short = proxy.parse_spec(protocol, "short:tiny --num_iterations 31", TINY.split())
+    long = proxy.parse_spec(protocol, "long:tiny --num_iterations 32", TINY.split())
+    assert proxy.shards_ready(protocol, short, str(data)) and not proxy.shards_ready(protocol, long, str(data))
+
+
+def test_run_trains_each_spec_scores_the_checks_and_archives(tmp_path, capsys):
+    import tarfile
+    raw, src, data, work = tmp_path / "raw", tmp_path / "src", tmp_path / "data", tmp_path / "work"
+    make_shards(raw, prefix="mix", n_train=2, cyclic=True)
+    xz_copy(raw, src, ["mix_val_000000.bin", "mix_train_000001.bin", "mix_train_000002.bin"])
+    (src / "fwtextfixer_val_000000.bin").write_bytes((raw / "mix_val_000000.bin").read_bytes())
+    protocol = tiny_protocol()
+    proxy.PROTOCOLS["TINY"] = protocol
+    try:
+        code = proxy.main(["run", "TINY", "tiny", "wide:tiny --n_embd 64 --n_head 4", "--src", str(src),
+                           "--data", str(data), "--work", str(work), "--jobs", "2", "--flags", TINY,
+                           "--archive", str(tmp_path / "runs.tgz")])
+    finally:
+        del proxy.PROTOCOLS["TINY"]
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for name, width in (("tiny", 32), ("wide", 64)):
+        run_dir = work / "runs" / name
+        config = json.loads((run_dir / "config.json").read_text())
+        assert config["model_config"]["n_embd"] == width and config["args"]["num_iterations"] == 8
+        checks = json.loads((run_dir / "checks.json").read_text())
+        assert list(checks) == ["fwtextfixer_val_000000.bin"]  # the other check shard is not in data
+        assert 0 < checks["fwtextfixer_val_000000.bin"] < 10
+        assert not list(run_dir.glob("ckpt_*.pt"))  # deleted once scored
+    assert "--jobs 2: runs shared the GPU" in out and "wide checks: fwtextfixer_val_000000.bin" in out
+    with tarfile.open(tmp_path / "runs.tgz") as tar:
+        assert {"runs/tiny/metrics.jsonl", "runs/wide/checks.json", "logs/wide.log"} <= set(tar.getnames())
+    # Running the same specs again trains nothing: both runs are finished.
+    proxy.PROTOCOLS["TINY"] = protocol
+    try:
+        assert proxy.main(["run", "TINY", "tiny", "wide:tiny --n_embd 64 --n_head 4", "--data", str(data),
+                           "--work", str(work), "--flags", TINY]) == 0
+    finally:
+        del proxy.PROTOCOLS["TINY"]
+    assert capsys.readouterr().out.count("already finished") == 2
+
+
+def test_a_spec_whose_shards_never_arrive_fails_after_the_wait(tmp_path, capsys):
+    data = tmp_path / "data"
+    make_shards(data, prefix="mix", n_train=1, train_tokens=2_000)
+    proxy.PROTOCOLS["TINY"] = tiny_protocol()
+    try:
+        code = proxy.main(["run", "TINY", "long:tiny --num_iterations 40", "--data", str(data),
+                           "--work", str(tmp_path / "work"), "--flags", TINY, "--wait", "0"])
+    finally:
+        del proxy.PROTOCOLS["TINY"]
+    assert code == 1 and "failed long: its shards did not arrive" in capsys.readouterr().out
