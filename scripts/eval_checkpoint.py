@@ -14,6 +14,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from train_gpt2 import ValidationSet, evaluate, model_from_checkpoint, pick_device, report_input_errors  # noqa: E402
 
 
+def score(model, val_bin: str, val_tokens: int, val_batch_size: int, sequence_length: int, dtype: str = "fp32") -> float:
+    """Mean next-token loss of `model` on the first val_tokens tokens of the first shard matching val_bin."""
+    device = next(model.parameters()).device
+    val = ValidationSet(val_bin, val_tokens, val_batch_size, sequence_length, rank=0, world_size=1,
+                        vocab_size=model.config.vocab_size, device=device)
+    return evaluate(model, val, world_size=1, dtype=dtype)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="a ckpt_*.pt written by train_gpt2.py")
@@ -25,16 +33,14 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     args = p.parse_args(argv)
 
-    def score() -> int:
-        device = pick_device(args.device)
-        model, ckpt = model_from_checkpoint(args.checkpoint, device)
-        T = args.sequence_length or ckpt["sequence_length"]
-        val = ValidationSet(args.val_bin, args.val_tokens, args.val_batch_size, T, rank=0, world_size=1,
-                            vocab_size=model.config.vocab_size, device=device)
-        print(f"val_loss: {evaluate(model, val, world_size=1, dtype=args.val_dtype):.6f}")
+    def run() -> int:
+        model, ckpt = model_from_checkpoint(args.checkpoint, pick_device(args.device))
+        loss = score(model, args.val_bin, args.val_tokens, args.val_batch_size,
+                     args.sequence_length or ckpt["sequence_length"], args.val_dtype)
+        print(f"val_loss: {loss:.6f}")
         return 0
 
-    return report_input_errors(score)
+    return report_input_errors(run)
 
 
 if __name__ == "__main__":

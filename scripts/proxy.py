@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts"))
 from model_variants import RECIPES  # noqa: E402
 from train_gpt2 import InputError, parse_args, read_shard_header, resolve_grad_accumulation  # noqa: E402
 
@@ -86,9 +87,10 @@ PROTOCOLS = {
                                 warmdown_iters=100, muon_momentum_warmup=60, val_loss_every=20, val_batch_size=16)}),
     "P100": Protocol(
         "P100", tuple(f"mix_train_00000{i}.bin" for i in range(1, 6)), (FWTEXTFIXER, FWLEGAL),
-        # d12@P100: 762 steps = 99.9M tokens; its learning rate is the best of 6e-4 / 1.2e-3 / 1.8e-3.
-        reference=reference_schedule(762, 1.8e-3),
-        forms={}),
+        # d12@P100: 762 steps = 99.9M tokens at lr 1.2e-3, the best of 6e-4 / 1.2e-3 / 1.8e-3 (docs/RESULTS.md).
+        reference=reference_schedule(762, 1.2e-3),
+        # d12_fast's FineWeb recipe re-sized to 20M tokens: it crosses d12@P100's final loss near 14M.
+        forms={"d12_fast": dict(total_batch_size=65536, budget=20_000_000)}),
 }
 
 
@@ -142,8 +144,8 @@ def parse_spec(protocol: Protocol, text: str, common: list[str] = ()) -> Spec:
         raise InputError(f"spec {text!r}: no model")
     model, own = words[0], [*common, *words[1:]]  # the spec's own flags last: they win
     name = head or model
-    budget = None
-    if "--budget" in own:
+    budget, budget_given = None, "--budget" in own  # a form may carry a budget; the spec's wins
+    if budget_given:
         i = own.index("--budget")
         if i + 1 == len(own):
             raise InputError(f"spec {text!r}: --budget needs a token count")
@@ -151,6 +153,8 @@ def parse_spec(protocol: Protocol, text: str, common: list[str] = ()) -> Spec:
         own = own[:i] + own[i + 2:]
     if model in protocol.forms:
         schedule = dict(protocol.forms[model])
+        form_budget = schedule.pop("budget", None)
+        budget = form_budget if budget is None else budget
     elif model in RECIPES:
         schedule = {}  # its FineWeb recipe, which --budget re-sizes
     else:
@@ -158,7 +162,7 @@ def parse_spec(protocol: Protocol, text: str, common: list[str] = ()) -> Spec:
     args = trainer_args(model, [*as_flags(schedule), *own])
     step_tokens = tokens_per_step(args)
     if budget is not None:
-        if "--num_iterations" in own or any(w.startswith("--num_iterations=") for w in own):
+        if budget_given and ("--num_iterations" in own or any(w.startswith("--num_iterations=") for w in own)):
             raise InputError(f"spec {text!r}: pass --budget or --num_iterations, not both")
         steps = max(1, round(budget / step_tokens))
         for flag in STEP_FLAGS:  # the same fractions of the run, at the new length
@@ -167,7 +171,7 @@ def parse_spec(protocol: Protocol, text: str, common: list[str] = ()) -> Spec:
             schedule[flag] = max(1, scaled) if flag == "val_loss_every" and value > 0 else min(scaled, steps)
         schedule["num_iterations"] = steps
         args = trainer_args(model, [*as_flags(schedule), *own])
-    elif args.num_iterations * step_tokens > protocol.tokens:
+    if not budget_given and args.num_iterations * step_tokens > protocol.tokens:
         raise InputError(f"spec {text!r}: {model}'s schedule reads {args.num_iterations * step_tokens / 1e6:,.0f}M "
                          f"tokens, more than {protocol.name}'s {protocol.tokens / 1e6:.0f}M; pass --budget")
     flags = [*as_flags(COMMON_FLAGS), *as_flags(schedule), *own]
@@ -229,22 +233,22 @@ def train_command(protocol: Protocol, spec: Spec, data: str, runs_dir: str) -> l
 
 
 def score_checks(protocol: Protocol, run_dir: str, data: str) -> dict:
-    """The final checkpoint's loss on each real-FineWeb check shard present in data."""
+    """The final checkpoint's loss (fp32, NoCap protocol) on each real-FineWeb check shard present in data,
+    scored in this process: one model load for all the shards, no interpreter start per shard."""
+    import torch
+    from eval_checkpoint import score
+    from train_gpt2 import model_from_checkpoint, pick_device
     checkpoints = sorted(f for f in os.listdir(run_dir) if f.startswith("ckpt_") and f.endswith(".pt"))
+    present = [(shard, tokens) for shard, tokens in protocol.checks if os.path.exists(os.path.join(data, shard))]
+    if not checkpoints or not present:
+        return {}
     with open(os.path.join(run_dir, "config.json")) as f:
         val_batch_size = json.load(f)["args"]["val_batch_size"]
-    scores = {}
-    for shard, val_tokens in protocol.checks:
-        if not checkpoints or not os.path.exists(os.path.join(data, shard)):
-            continue
-        out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "eval_checkpoint.py"),
-                              "--checkpoint", os.path.join(run_dir, checkpoints[-1]), "--val_bin",
-                              os.path.join(data, shard), "--val_tokens", str(val_tokens),
-                              "--val_batch_size", str(val_batch_size)], capture_output=True, text=True)
-        lines = [line for line in out.stdout.splitlines() if line.startswith("val_loss:")]
-        if out.returncode != 0 or not lines:
-            print(f"{os.path.basename(run_dir)}: {shard} not scored: {out.stderr.strip()[-300:]}", flush=True)
-        scores[shard] = float(lines[0].split()[1]) if out.returncode == 0 and lines else None
+    model, ckpt = model_from_checkpoint(os.path.join(run_dir, checkpoints[-1]), pick_device("auto"))
+    scores = {shard: score(model, os.path.join(data, shard), tokens, val_batch_size, ckpt["sequence_length"])
+              for shard, tokens in present}
+    del model
+    torch.cuda.empty_cache()
     return scores
 
 
@@ -303,7 +307,11 @@ def run_specs(protocol: Protocol, specs: list[Spec], data: str, work: str, jobs:
             del running[name]
             run_dir = os.path.join(runs_dir, name)
             if proc.returncode == 0 and finished(run_dir):
-                checks = score_checks(protocol, run_dir, data)
+                try:
+                    checks = score_checks(protocol, run_dir, data)
+                except InputError as e:
+                    print(f"{name}: checks not scored: {e}", flush=True)
+                    checks = {}
                 with open(os.path.join(run_dir, "checks.json"), "w") as f:
                     json.dump(checks, f)
                 print(f"done {name}: " + json.dumps({"val_loss": json.load(open(
@@ -328,7 +336,6 @@ def print_table(run_dirs: list[str], jobs: int, table_path: str):
     """compare_runs' table (time and tokens to the first run's final loss) and each run's checks."""
     if not run_dirs:
         return
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
     import compare_runs
     runs = [compare_runs.load_run(d) for d in run_dirs]
     lines = [compare_runs.comparison_table(compare_runs.group_runs(runs), runs[0]["evals"][-1]["val_loss"])]

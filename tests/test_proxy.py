@@ -61,7 +61,8 @@ def test_the_specs_own_flags_win_over_the_schedule():
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("d12_fast", "more than P100's 100M; pass --budget"),
+    ("d12_fast --num_iterations 2000", "more than P100's 100M; pass --budget"),
+    ("d12 --grad_accumulation_steps 32", "more than P100's 100M; pass --budget"),
     ("d12 --budget 25M --num_iterations 9", "pass --budget or --num_iterations, not both"),
     ("d12 --budget lots", "expected a token count"),
     ("d12 --budget", "--budget needs a token count"),
