@@ -201,11 +201,11 @@ VARIANTS: dict[str, GPTConfig] = {
     # The measured-best recipe (docs/RESULTS.md has an ablation row for every field and flag it changes).
     "d12_fast": replace(
         D12, n_head=6,  # head_dim 128
-        # Tied head: 0.07 lower at P40 than untied (five runs against four, docs/RESULTS.md), 38.6M fewer parameters.
+        # Tied head: on P100 the untied head needs 22% more tokens to d12@P100's loss (docs/RESULTS.md), and
+        # 38.6M fewer parameters. FineWeb records that train ~10x longer found the opposite.
         qk_norm=True, mlp_act="relu2", zero_init_proj=True, scale_attn_branch=False, tie_embeddings=True,
-        # MLP 3x (hidden 2304): +8.4% tokens/s on an H100 and 0.04 lower at P40 than 4x (two seeds each,
-        # docs/RESULTS.md); 14.2M fewer parameters. P40's short horizon favours the smaller model; the 524M-token
-        # FineWeb run may value the 4x MLP's capacity more (not measured here).
+        # MLP 3x (hidden 2304): the 4x MLP reaches the same P100 losses per token at 20M and 40M tokens (two
+        # seeds) but runs 8% fewer tokens/s; 14.2M fewer parameters.
         mlp_ratio=3,
         logit_softcap=15.0, embed_norm=True, x0_mix=True, value_residual=True, unet_skips=True,
         # +9.3% tokens/s on an H100, same losses. Not the FP8 head: +1.9% tokens/s there, but at P40 it needed
@@ -215,47 +215,32 @@ VARIANTS: dict[str, GPTConfig] = {
         # linear layers: its casts cost more than its products save at this width, -7.3% (docs/RESULTS.md).
         bf16_residual=True,
         # Three of four layers attend within aligned blocks of 256 tokens, every fourth over the whole sequence:
-        # 0.04 lower at P40 (two seeds each), +1.9% tokens/s at the FineWeb defaults on an H100 (docs/RESULTS.md).
+        # on P100, 8% fewer tokens to d12@P100's loss than full attention in every layer (two seeds) and 1.5%
+        # more tokens/s.
         window=256, window_pattern="LLLG", window_kind="chunked"),
 }
 
 # Training settings a variant brings along: train_gpt2.py takes them as its flag defaults when --model
 # names the variant, and flags given on the command line still win. Keys are the trainer's flag names.
 RECIPES: dict[str, dict] = {
-    # FineWeb schedule: 262,144 tokens per step; the linear cooldown (the second half, down to 10% of the
-    # peak) ends at 2000 steps = 524M tokens, the budget docs/RESULTS.md projects for reaching 3.3821.
+    # FineWeb schedule (docs/RESULTS.md sizes it): 16,000 steps of 65,536 tokens = 1.05B tokens, the upper end of
+    # the token range the P100 horizon curve extrapolates to for val <= 3.3821; the run stops at the first
+    # evaluation under the target, which a schedule longer than needed reaches a little later than one that ends
+    # there, while one too short ends above it. If it still does, up to 4,000 more steps at the final lr.
+    # 65,536 tokens per step (two 32x1024 micro-batches): on P100 it needs half the tokens of 262,144 per step,
+    # for 2% fewer tokens/s; the first half of the steps at constant lr, a cooldown to 10% over the second half,
+    # Muon's momentum warmed up over the first 15%.
     # muon_lr 0.03 beat 0.05 and 0.08 in the P40 sweep; the other values follow the modded-nanogpt lineage.
-    # The tied head trains in the head's group (learning_rate); embed_lr is the input embedding's peak when
-    # it is untied (`--tie_embeddings false`, the recipe before the P40 tied/untied runs).
-    # Micro-batches of 32x1024 (8 per step): +5.0% tokens/s over 16x1024 on an H100 (docs/RESULTS.md, session
-    # 7); the peak is 18.0 GiB, inside the 22 GiB a 24 GB card leaves; --batch_size 16 keeps the step with less.
+    # The tied head trains in the head's group (learning_rate); embed_lr is the input embedding's peak when it
+    # is untied (`--tie_embeddings false`).
     "d12_fast": dict(
-        optimizer="muon", muon_lr=0.03, muon_momentum_warmup=300, learning_rate=0.008, embed_lr=0.3,
-        scalar_lr=0.04, weight_decay=0.0, total_batch_size=262144, batch_size=32, num_iterations=2000, warmup_iters=0,
-        warmdown_iters=1000, lr_floor=0.1, val_loss_every=125,
+        optimizer="muon", muon_lr=0.03, muon_momentum_warmup=2400, learning_rate=0.008, embed_lr=0.3,
+        scalar_lr=0.04, weight_decay=0.0, total_batch_size=65536, batch_size=32, num_iterations=16000,
+        warmup_iters=0, warmdown_iters=8000, lr_floor=0.1, val_loss_every=500, overtime_steps=4000,
         # Inductor's coordinate-descent tuning (NoCap's setting, d12's default): +0.4% tokens/s for 96 s more
-        # compile on an H100 (docs/RESULTS.md) — about 4 s saved over the ~16-minute run. Off.
+        # compile on an H100 (docs/RESULTS.md). Off.
         coordinate_descent_tuning=False),
 }
-
-
-# The P40 proxy of ../shared/BENCHMARKS.md (scripts/p40.sh): at most 40M training tokens, NoCap validation
-# of the proxy's val shard. Every model runs the reference schedule "d12@P40" unless its recipe has a P40
-# form here: that recipe with its budget cut to the proxy (flags on top of RECIPES, which still apply).
-P40_REFERENCE = dict(batch_size=16, grad_accumulation_steps=8, sequence_length=1024, num_iterations=300,
-                     learning_rate=6e-4, weight_decay=0.1, warmup_iters=64, warmdown_iters=96, val_loss_every=40,
-                     val_batch_size=16)
-P40_RECIPES: dict[str, dict] = {
-    # 200 steps of 32,768 tokens = 6.55M (one 32x1024 micro-batch each, as at FineWeb); d12_fast crosses
-    # d12@P40's final loss near 5M (docs/RESULTS.md).
-    "d12_fast": dict(batch_size=32, grad_accumulation_steps=1, sequence_length=1024, num_iterations=200,
-                     warmdown_iters=100, muon_momentum_warmup=60, val_loss_every=20, val_batch_size=16),
-}
-
-
-def p40_flags(name: str) -> list[str]:
-    """The trainer flags of a model's P40 run: its recipe's P40 form, or the d12@P40 reference schedule."""
-    return [f"--{flag}={value}" for flag, value in P40_RECIPES.get(name, P40_REFERENCE).items()]
 
 
 def get_variant(name: str) -> GPTConfig:

@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--val_batch_size", type=int, default=16, help="validation rows per batch per GPU")
     g.add_argument("--target_val_loss", type=float, default=NOCAP_TARGET_VAL_LOSS,
                    help="stop at the first evaluation at or below this (0 disables)")
+    g.add_argument("--overtime_steps", type=int, default=0,
+                   help="if the schedule ends above --target_val_loss, train on at its final learning rate (--lr_floor "
+                        "x the peak) for up to this many more steps, evaluating every --val_loss_every, until the "
+                        "target is reached (0: stop where the schedule ends)")
     g.add_argument("--val_dtype", choices=("fp32", "bf16"), default="fp32",
                    help="fp32: NoCap's protocol; bf16: autocast as in training, for sweeps (compare runs only "
                         "at the same setting)")
@@ -188,11 +192,22 @@ def check_run_flags(args):
             raise InputError(f"--{name} {getattr(args, name)} must be >= 1")
     if not 0 <= args.lr_floor <= 1:
         raise InputError(f"--lr_floor {args.lr_floor} must be a fraction of the peak, between 0 and 1")
-    for name in ("warmup_iters", "warmdown_iters", "val_loss_every", "save_every"):
+    for name in ("warmup_iters", "warmdown_iters", "val_loss_every", "save_every", "overtime_steps"):
         if getattr(args, name) < 0:
             raise InputError(f"--{name} {getattr(args, name)} must be >= 0")
     if args.warmdown_iters > args.num_iterations:
         raise InputError(f"--warmdown_iters {args.warmdown_iters} exceeds --num_iterations {args.num_iterations}")
+    if overtime_applies(args) and args.lr_floor == 0:
+        raise InputError(f"--overtime_steps {args.overtime_steps} trains at the schedule's final learning rate, "
+                         "--lr_floor x the peak, which is 0; pass --lr_floor > 0 (e.g. 0.1) or --overtime_steps 0")
+    if overtime_applies(args) and args.val_loss_every == 0:
+        raise InputError(f"--overtime_steps {args.overtime_steps} stops at the first evaluation under the target; "
+                         "pass --val_loss_every > 0")
+
+
+def overtime_applies(args) -> bool:
+    """Whether a schedule that ends above the target trains on (--overtime_steps), which needs a target."""
+    return args.overtime_steps > 0 and args.target_val_loss > 0
 
 
 # =============================================================================
@@ -988,7 +1003,7 @@ class TokenLoader:
 
     def __init__(self, pattern: str, B: int, T: int, rank: int, world_size: int, vocab_size: int,
                  device: torch.device, flag: str = "--input_bin"):
-        self.files = match_shards(pattern, flag)
+        self.files, self.flag = match_shards(pattern, flag), flag
         self.B, self.T, self.rank, self.world_size = B, T, rank, world_size
         self.vocab_size, self.device = vocab_size, device
         self.shard_tokens = [read_shard_header(f) for f in self.files]
@@ -1026,7 +1041,11 @@ class TokenLoader:
         window = torch.from_numpy(self.tokens[self.position: self.position + B * T + 1].astype(np.int64))
         if self.device.type == "cuda":
             window = window.pin_memory().to(self.device, non_blocking=True)
-        self._set_position(*self._advance(self.shard, self.position))
+        shard, position = self._advance(self.shard, self.position)
+        if (shard, position) < (self.shard, self.position):  # back at the start: the same tokens again
+            notice(f"{self.flag}: all {len(self.files)} shards ({self.total_tokens:,} tokens) have been read; "
+                   "starting over from the first (more shards: python data/fineweb.py -n N)")
+        self._set_position(shard, position)
         self.batches_drawn += 1
         return window[:-1].view(B, T), window[1:].view(B, T)
 
@@ -1237,12 +1256,13 @@ def muon_momentum_at(step: int, args) -> float:
 
 def lr_scale(step: int, args) -> float:
     """NoCap's schedule as a multiplier of each group's peak: linear warmup, constant, then a linear
-    warmdown over the last warmdown_iters steps to lr_floor (NoCap: 0) at num_iterations."""
+    warmdown over the last warmdown_iters steps to lr_floor (NoCap: 0) at num_iterations, where it stays
+    (the overtime steps of a schedule that ended above the target)."""
     if step < args.warmup_iters:
         return (step + 1) / args.warmup_iters
     if step < args.num_iterations - args.warmdown_iters:
         return 1.0
-    return args.lr_floor + (1 - args.lr_floor) * (args.num_iterations - step) / args.warmdown_iters
+    return args.lr_floor + (1 - args.lr_floor) * max(0, args.num_iterations - step) / args.warmdown_iters
 
 
 # =============================================================================
@@ -1281,7 +1301,7 @@ def flops_per_token(model: GPT, seq_len: int) -> float:
 # =============================================================================
 
 CHECKPOINT_FORMAT = 1
-FINISHED_STATUSES = ("reached_target", "completed")
+FINISHED_STATUSES = ("reached_target", "completed", "missed_target")
 
 
 def atomic_write_text(path: str, text: str):
@@ -1412,8 +1432,8 @@ class RunLog:
 
 def format_summary(summary: dict) -> str:
     """The grep-able block every run ends with."""
-    keys = ("status", "reached_target", "target_val_loss", "final_val_loss", "steps", "tokens", "train_time_s",
-            "compile_s", "eval_time_s", "wall_time_s", "tokens_per_s", "mfu", "peak_mem_mib")
+    keys = ("status", "reached_target", "target_val_loss", "final_val_loss", "steps", "overtime_steps", "tokens",
+            "train_time_s", "compile_s", "eval_time_s", "wall_time_s", "tokens_per_s", "mfu", "peak_mem_mib")
     lines = ["---"]
     for key in keys:
         value = summary[key]
@@ -1666,10 +1686,14 @@ def train(args) -> int:
         torch.cuda.reset_peak_memory_stats(env.device)
     step_seconds: list[float] = []  # this session's steps, for the steady-state median
     eval_time_s, final_val_loss, status = 0.0, None, "completed"
+    # A schedule that ends above the target trains on for up to --overtime_steps more steps; a run resumed
+    # past its schedule's end is in that overtime (a run that had reached the target would have finished).
+    scheduled_end = args.num_iterations
+    final_step = scheduled_end + (args.overtime_steps if overtime_applies(args) and start_step >= scheduled_end else 0)
     progress = None
     if env.is_main and sys.stdout.isatty():
         from tqdm import tqdm
-        progress = tqdm(total=args.num_iterations, initial=start_step, unit="step", dynamic_ncols=True)
+        progress = tqdm(total=final_step, initial=start_step, unit="step", dynamic_ncols=True)
     emit = progress.write if progress is not None else log.print
 
     def checkpoint(step: int, evaluated: bool):
@@ -1695,9 +1719,9 @@ def train(args) -> int:
                 emit(f"received signal {signum}: checkpointing at step {step} and stopping")
                 checkpoint(step, evaluated=False)
                 break
-            last_step = step == args.num_iterations
+            last_step = step == final_step
             evaluated = False
-            eval_due = last_step or (args.val_loss_every > 0 and step % args.val_loss_every == 0)
+            eval_due = last_step or step == scheduled_end or (args.val_loss_every > 0 and step % args.val_loss_every == 0)
             if eval_due and not (step == start_step and evaluated_at_start):
                 t0 = time.perf_counter()
                 final_val_loss = evaluate(eval_model, val, env.world_size, args.val_dtype)
@@ -1706,12 +1730,27 @@ def train(args) -> int:
                 evaluated = True
                 log.record(step=step, tokens=step * tokens_per_step, val_loss=final_val_loss,
                            train_time_s=train_time_s, eval_s=eval_s)
-                emit(f"step:{step}/{args.num_iterations} | val loss {final_val_loss:.6f} | "
-                     f"train_time {train_time_s:.1f}s")
+                emit(f"step:{step}/{final_step} | val loss {final_val_loss:.6f} | train_time {train_time_s:.1f}s")
                 if 0 < args.target_val_loss and final_val_loss <= args.target_val_loss:
                     status = "reached_target"
                     break
+                if step == scheduled_end and args.target_val_loss > 0:
+                    ended = (f"the schedule's {scheduled_end} steps ended at val loss {final_val_loss:.4f}, above "
+                             f"the target {args.target_val_loss}")
+                    if overtime_applies(args):
+                        final_step, last_step = scheduled_end + args.overtime_steps, False
+                        emit(f"notice: {ended}; training on at the final learning rate for up to "
+                             f"{args.overtime_steps} more steps, evaluating every {args.val_loss_every}")
+                        if progress is not None:
+                            progress.total = final_step
+                    else:
+                        emit(f"notice: {ended}; --overtime_steps N would train on until it is reached")
             if last_step:
+                if args.target_val_loss > 0:
+                    status = "missed_target"
+                    if step > scheduled_end:
+                        emit(f"notice: {step - scheduled_end} overtime steps ended at val loss {final_val_loss:.4f}, "
+                             f"still above the target {args.target_val_loss}")
                 break
             if args.save_every and step > start_step and step % args.save_every == 0:
                 checkpoint(step, evaluated)
@@ -1740,7 +1779,7 @@ def train(args) -> int:
             log.record(step=step, tokens=step * tokens_per_step, train_loss=train_loss, lr=lr,
                        step_ms=1000 * step_s, tokens_per_s=tokens_per_s, mfu=mfu, train_time_s=train_time_s,
                        peak_mem_mib=peak_mem, **{name: value.tolist() for name, value in aux.items()})
-            line = (f"step:{step}/{args.num_iterations} | loss {train_loss:.6f} | lr {lr:.3e} | "
+            line = (f"step:{step}/{final_step} | loss {train_loss:.6f} | lr {lr:.3e} | "
                     f"{1000 * step_s:.1f}ms | {tokens_per_s:,.0f} tok/s"
                     + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") + f" | train_time {train_time_s:.1f}s")
             if progress is not None:
@@ -1765,7 +1804,8 @@ def train(args) -> int:
     tokens_per_s = tokens_per_step / statistics.median(steady) if steady else None
     summary = dict(
         status=status, reached_target=status == "reached_target", target_val_loss=args.target_val_loss,
-        final_val_loss=final_val_loss, steps=step, tokens=step * tokens_per_step, train_time_s=train_time_s,
+        final_val_loss=final_val_loss, steps=step, overtime_steps=max(0, step - scheduled_end),
+        tokens=step * tokens_per_step, train_time_s=train_time_s,
         compile_s=compile_s, eval_time_s=eval_time_s, wall_time_s=time.perf_counter() - wall_start,
         tokens_per_s=tokens_per_s,
         mfu=flops_token * tokens_per_s / (peak * env.world_size) if peak and tokens_per_s else None,
@@ -1783,6 +1823,8 @@ def train(args) -> int:
         dist.destroy_process_group()
     if status == "diverged":
         return 1
+    if status == "missed_target":
+        return 3
     return 128 + stop.signum if status == "interrupted" else 0
 
 

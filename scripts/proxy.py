@@ -89,8 +89,8 @@ PROTOCOLS = {
         "P100", tuple(f"mix_train_00000{i}.bin" for i in range(1, 6)), (FWTEXTFIXER, FWLEGAL),
         # d12@P100: 762 steps = 99.9M tokens at lr 1.2e-3, the best of 6e-4 / 1.2e-3 / 1.8e-3 (docs/RESULTS.md).
         reference=reference_schedule(762, 1.2e-3),
-        # d12_fast's FineWeb recipe re-sized to 20M tokens: it crosses d12@P100's final loss near 14M.
-        forms={"d12_fast": dict(total_batch_size=65536, budget=20_000_000)}),
+        # d12_fast's FineWeb recipe re-sized to 20M tokens: it crosses d12@P100's final loss near 13M.
+        forms={"d12_fast": dict(budget=20_000_000)}),
 }
 
 
@@ -323,7 +323,8 @@ def run_specs(protocol: Protocol, specs: list[Spec], data: str, work: str, jobs:
                     os.remove(os.path.join(run_dir, f))  # ~1.5 GB each; the checks have been scored
             if archive_path:
                 archive(work, archive_path)
-        if pending and not running and time.monotonic() > give_up:
+        waiting = [s for s in pending if not shards_ready(protocol, s, data)]
+        if waiting and len(waiting) == len(pending) and not running and time.monotonic() > give_up:
             for spec in pending:
                 print(f"failed {spec.name}: its shards did not arrive in {data} within {wait_s:.0f}s", flush=True)
             break
@@ -332,24 +333,28 @@ def run_specs(protocol: Protocol, specs: list[Spec], data: str, work: str, jobs:
     return [os.path.join(runs_dir, s.name) for s in specs if finished(os.path.join(runs_dir, s.name))]
 
 
-def print_table(run_dirs: list[str], jobs: int, table_path: str):
-    """compare_runs' table (time and tokens to the first run's final loss) and each run's checks."""
+def print_table(run_dirs: list[str], jobs: int, table_path: str, plot_path: str | None = None):
+    """compare_runs' table (time and tokens to the first run's final loss), each run's checks, and the plot."""
     if not run_dirs:
         return
     import compare_runs
     runs = [compare_runs.load_run(d) for d in run_dirs]
-    lines = [compare_runs.comparison_table(compare_runs.group_runs(runs), runs[0]["evals"][-1]["val_loss"])]
+    target = runs[0]["evals"][-1]["val_loss"]
+    lines = [compare_runs.comparison_table(compare_runs.group_runs(runs), target)]
     if jobs > 1:
         lines.append(f"(--jobs {jobs}: runs shared the GPU, so their times and tokens/s mean nothing; read tokens)")
     for d in run_dirs:
         checks_path = os.path.join(d, "checks.json")
         checks = json.load(open(checks_path)) if os.path.exists(checks_path) else {}
-        lines.append(f"{os.path.basename(d)} checks: " + ", ".join(f"{k} {v:.4f}" for k, v in checks.items()
-                                                                    if v is not None))
+        if checks:
+            lines.append(f"{os.path.basename(d)} checks: " + ", ".join(f"{k} {v:.4f}" for k, v in checks.items()))
     text = "\n".join(lines)
     print(text)
     with open(table_path, "w") as f:
         f.write(text + "\n")
+    if plot_path:
+        compare_runs.plot(runs, target, plot_path)
+        print(f"plot: {plot_path}")
 
 
 def main(argv=None) -> int:
@@ -373,6 +378,7 @@ def main(argv=None) -> int:
     r.add_argument("--flags", default="", help="extra train_gpt2.py flags for every spec (e.g. '--seed 1')")
     r.add_argument("--wait", type=float, default=0, help="seconds to wait for shards that are not there yet")
     r.add_argument("--archive", default=None, help="also keep the runs' small files in this .tgz")
+    r.add_argument("--plot", default=None, help="also draw the runs' val loss vs time and tokens into this PNG")
     args = p.parse_args(argv)
 
     def act() -> int:
@@ -401,7 +407,7 @@ def main(argv=None) -> int:
             note = f" ({passes:.1f} passes)" if passes > 1.01 else ""
             print(f"{spec.name}: {spec.steps} steps x {spec.tokens_per_step:,} = {spec.tokens / 1e6:.1f}M tokens{note}")
         done = run_specs(protocol, specs, args.data, work, args.jobs, args.wait, args.src, args.archive)
-        print_table(done, args.jobs, os.path.join(work, "table.txt"))
+        print_table(done, args.jobs, os.path.join(work, "table.txt"), args.plot)
         return 0 if len(done) == len(specs) else 1
 
     try:

@@ -89,6 +89,22 @@ def test_train_walk_is_nocaps_order(tmp_path, rank, world):
         np.testing.assert_array_equal(y.flatten().numpy(), window[1:])
 
 
+def test_starting_over_after_the_last_shard_is_said_once(tmp_path, capsys):
+    import train_gpt2
+    train_gpt2._notices_shown.clear()
+    train_glob, _ = make_shards(tmp_path, n_train=2, train_tokens=1000)
+    loader = TokenLoader(train_glob, 3, 16, 0, 1, 256, CPU)
+    per_shard = (1000 - 1) // (3 * 16)  # windows before the loader moves on
+    for _ in range(2 * per_shard - 1):
+        loader.next_batch()
+    assert "notice" not in capsys.readouterr().err  # the last window is still to come
+    loader.next_batch()
+    assert loader.shard == 0 and "all 2 shards (2,000 tokens) have been read" in capsys.readouterr().err
+    for _ in range(3 * per_shard):  # round again: said once
+        loader.next_batch()
+    assert "notice" not in capsys.readouterr().err
+
+
 def test_skip_replays_the_walk(tmp_path):
     train_glob, _ = make_shards(tmp_path, n_train=2, train_tokens=500)
     walked = TokenLoader(train_glob, 2, 16, 1, 2, 256, CPU)

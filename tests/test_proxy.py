@@ -47,12 +47,20 @@ def test_budget_keeps_the_schedules_shape():
     spec, args = trainer_view("P100", "d12 --budget 25M")
     assert spec.steps == 191 == args["num_iterations"]  # 25M / 131,072
     assert (args["warmup_iters"], args["warmdown_iters"], args["val_loss_every"]) == (10, 41, 12)
-    # d12_fast's FineWeb recipe (2000 steps, cooldown 1000, momentum warmup 300, evaluation every 125) at
-    # a smaller batch: the same fractions of a 305-step run.
-    spec, args = trainer_view("P100", "small:d12_fast --budget 20M --total_batch_size 65536")
-    assert (spec.name, spec.steps, spec.tokens_per_step) == ("small", 305, 65_536)
-    assert (args["warmdown_iters"], args["muon_momentum_warmup"], args["val_loss_every"]) == (152, 46, 19)
+    # d12_fast's FineWeb recipe (16,000 steps, cooldown 8,000, momentum warmup 2,400, evaluation every 500) at
+    # a larger batch: the same fractions of a 76-step run.
+    spec, args = trainer_view("P100", "big:d12_fast --budget 20M --total_batch_size 262144")
+    assert (spec.name, spec.steps, spec.tokens_per_step) == ("big", 76, 262_144)
+    assert (args["warmdown_iters"], args["muon_momentum_warmup"], args["val_loss_every"]) == (38, 11, 2)
     assert args["optimizer"] == "muon" and args["lr_floor"] == 0.1  # the rest of the recipe stays
+
+
+def test_d12_fasts_p100_form_is_its_recipe_at_20m_tokens():
+    spec, args = trainer_view("P100", "d12_fast")
+    assert (spec.steps, spec.tokens_per_step) == (305, 65_536)
+    assert (args["warmdown_iters"], args["muon_momentum_warmup"], args["val_loss_every"]) == (152, 46, 10)
+    spec, _ = trainer_view("P100", "d12_fast --budget 40M")  # the spec's budget wins over the form's
+    assert spec.steps == 610
 
 
 def test_the_specs_own_flags_win_over_the_schedule():

@@ -2,6 +2,9 @@
 train every model given with identical flags and print the comparison; bad usage exits 2."""
 
 import json
+import math
+import os
+import shutil
 import subprocess
 
 import pytest
@@ -22,7 +25,6 @@ def table_rows(stdout: str) -> list[str]:
 
 
 def bash(*args, env_extra=None, cwd=REPO):
-    import os
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
     return subprocess.run(["bash", *args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
 
@@ -62,6 +64,12 @@ def test_ablate_sh_runs_the_p40_protocol_for_each_model(tmp_path):
     rows = table_rows(result.stdout)
     assert [row.split()[0] for row in rows] == ["tiny", "d12_mqa"]
     assert "1.00x" in rows[0]  # the first run reaches its own final loss: the reference
+    work = next((tmp_path / "logs").glob("ablate-*"))
+    assert (work / "ablate.png").exists() and (work / "table.txt").exists()
+    for model in ("tiny", "d12_mqa"):  # the P40 reference schedule, the extra flags last
+        args = json.loads((work / "runs" / model / "config.json").read_text())["args"]
+        assert (args["weight_decay"], args["warmup_iters"], args["val_dtype"]) == (0.1, 1, "bf16")
+        assert (args["num_iterations"], args["learning_rate"]) == (8, 1e-2)
 
 
 def test_throughput_sh_runs_the_14_step_protocol_for_each_model(tmp_path):
@@ -83,30 +91,25 @@ def test_throughput_sh_runs_the_14_step_protocol_for_each_model(tmp_path):
     assert bash("scripts/throughput.sh", str(tmp_path / "missing")).returncode == 2
 
 
-def test_bench_p40_sh_runs_named_specs_concurrently_and_archives_them(tmp_path):
-    import lzma
-    import tarfile
-    raw, src = tmp_path / "raw", tmp_path / "src"
-    make_shards(raw, prefix="mix", cyclic=True)
-    src.mkdir()
-    for shard in raw.iterdir():
-        (src / f"{shard.name}.xz").write_bytes(lzma.compress(shard.read_bytes(), format=lzma.FORMAT_XZ))
-    (src / "fwtextfixer_val_000000.bin").write_bytes((raw / "mix_val_000000.bin").read_bytes())
-    out = tmp_path / "OUT"
-    out.mkdir()
-    flags = [*TINY_FLAGS, "--n_layer", "1", "--n_embd", "32", "--n_head", "2", "--num_iterations", "8",
-             "--learning_rate", "1e-2"]
-    result = bash("scripts/bench_p40.sh", "tiny", "wide:tiny --n_embd 64 --n_head 4", env_extra={
-        "P40_SRC": str(src), "P40_DATA": str(tmp_path / "data"), "P40_WORK": str(tmp_path / "work"),
-        "P40_JOBS": "2", "P40_FLAGS": " ".join(flags), "P40_TAG": "_s0", "OUT": str(out)})
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = table_rows(result.stdout)
-    assert [row.split()[0] for row in rows] == ["tiny_s0", "wide_s0"]
-    with tarfile.open(out / "work_s0.tgz") as archive:
-        names = set(archive.getnames())
-    assert {"./tiny_s0.metrics.jsonl", "./wide_s0.summary.json", "./table_s0.txt"} <= names
-    config = json.loads((tmp_path / "work" / "out" / "wide_s0.config.json").read_text())
-    assert config["model_config"]["n_embd"] == 64 and config["args"]["num_iterations"] == 8  # spec flags last
+def test_speedrun_sh_fetches_the_shards_the_recipe_and_its_overtime_read(tmp_path):
+    """speedrun.sh in a copy of the repo whose setup.sh and torchrun only record how they were called."""
+    from model_variants import RECIPES
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "speedrun.sh", tmp_path / "scripts")
+    shutil.copy(REPO / "model_variants.py", tmp_path)
+    (tmp_path / "scripts" / "setup.sh").write_text('echo "setup $*" >> calls.txt\n')
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text('#!/usr/bin/env bash\necho "torchrun $*" >> calls.txt\n')
+    (bin_dir / "torchrun").chmod(0o755)
+    result = bash(str(tmp_path / "scripts" / "speedrun.sh"), "--batch_size", "16",
+                  env_extra={"PATH": f"{bin_dir}:{os.environ['PATH']}"}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    setup, launch = (tmp_path / "calls.txt").read_text().splitlines()
+    recipe = RECIPES["d12_fast"]
+    tokens = (recipe["num_iterations"] + recipe["overtime_steps"]) * recipe["total_batch_size"]
+    assert setup == f"setup {math.ceil(tokens / 100e6)}" and tokens <= 100e6 * int(setup.split()[1])
+    assert "train_gpt2.py --model d12_fast" in launch and launch.endswith("--output_dir logs --batch_size 16")
 
 
 @pytest.mark.parametrize("script, args", [("scripts/compare.sh", ["d12"]), ("scripts/ablate.sh", ["/nonexistent"])])

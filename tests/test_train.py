@@ -75,6 +75,53 @@ def test_target_zero_disables_the_stop(tmp_path, shards, capsys):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 6
 
 
+def overtime_run(capsys, tmp_path, name, *extra):
+    """A learnable (cyclic) run whose 6-step schedule ends above the target 0.5, which more steps reach."""
+    shards = make_shards(tmp_path / "cyclic", cyclic=True)
+    return run(capsys, shards, tmp_path, name, "--num_iterations", "6", "--val_loss_every", "2", "--lr_floor", "0.5",
+               "--target_val_loss", "0.5", *extra)
+
+
+def test_a_schedule_that_ends_above_the_target_trains_on_until_it_is_reached(tmp_path, capsys):
+    code, out, _ = overtime_run(capsys, tmp_path, "run", "--overtime_steps", "40")
+    assert code == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "reached_target" and summary["final_val_loss"] <= 0.5
+    assert summary["steps"] > 6 and summary["overtime_steps"] == summary["steps"] - 6
+    assert "notice: the schedule's 6 steps ended at val loss" in out and "for up to 40 more steps" in out
+    assert f"overtime_steps:  {summary['overtime_steps']}" in out
+    records = read_metrics(tmp_path / "run")
+    evals = [r["step"] for r in records if "val_loss" in r]
+    assert evals == list(range(0, summary["steps"] + 1, 2))  # every --val_loss_every steps, overtime too
+    assert [r["val_loss"] > 0.5 for r in records if "val_loss" in r][-2:] == [True, False]  # stops at the first
+    overtime_lrs = [r["lr"] for r in records if "lr" in r and r["step"] > 6]
+    assert overtime_lrs == [pytest.approx(0.5 * 3e-3)] * summary["overtime_steps"]  # the schedule's final lr
+
+
+def test_overtime_ends_at_its_cap_and_says_the_target_was_missed(tmp_path, capsys):
+    code, out, _ = overtime_run(capsys, tmp_path, "capped", "--overtime_steps", "2")
+    assert code == 3
+    summary = json.loads((tmp_path / "capped" / "summary.json").read_text())
+    assert (summary["status"], summary["steps"], summary["overtime_steps"]) == ("missed_target", 8, 2)
+    assert summary["final_val_loss"] > 0.5 and "notice: 2 overtime steps ended at val loss" in out
+    code, out, _ = overtime_run(capsys, tmp_path, "none")
+    assert code == 3 and "--overtime_steps N would train on" in out
+    assert json.loads((tmp_path / "none" / "summary.json").read_text())["steps"] == 6
+
+
+def test_resume_inside_overtime_continues_it(tmp_path, capsys, monkeypatch):
+    import train_gpt2
+    monkeypatch.setattr(train_gpt2.os, "remove", lambda path: None)  # keep the step-10 checkpoint around
+    overtime_run(capsys, tmp_path, "straight", "--overtime_steps", "40", "--save_every", "10")
+    ckpt = tmp_path / "straight" / "ckpt_000010.pt"
+    code, _, _ = overtime_run(capsys, tmp_path, "resumed", "--overtime_steps", "40", "--resume", str(ckpt))
+    assert code == 0
+    straight, resumed = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
+    assert min(resumed) == 11 and resumed == {step: straight[step] for step in resumed}  # bitwise on CPU
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("straight", "resumed")]
+    assert summaries[0]["steps"] == summaries[1]["steps"] and summaries[1]["status"] == "reached_target"
+
+
 def test_lr_schedule_is_nocaps():
     args = Namespace(warmup_iters=4, warmdown_iters=5, num_iterations=20, lr_floor=0.0)
     lrs = [lr_scale(s, args) for s in range(20)]
@@ -298,6 +345,10 @@ def test_unknown_model_suggests_close_names(tmp_path, shards, capsys):
     (["--sequence_length", "2048"], "pass --block_size 2048"),
     (["--resume", "/nonexistent.pt"], "no such checkpoint"),
     (["--memory_cap_gib", "22"], "--memory_cap_gib limits GPU memory; drop it on CPU"),
+    (["--overtime_steps", "5", "--target_val_loss", "3"], "which is 0; pass --lr_floor > 0"),
+    (["--overtime_steps", "5", "--target_val_loss", "3", "--lr_floor", "0.1", "--val_loss_every", "0"],
+     "pass --val_loss_every > 0"),
+    (["--overtime_steps", "-1"], "--overtime_steps -1 must be >= 0"),
 ])
 def test_bad_flags_give_one_clear_line(tmp_path, shards, capsys, extra, message):
     assert message in _error(capsys, tiny_run_args(shards, tmp_path, "run", *extra))
@@ -363,7 +414,7 @@ def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
     from train_gpt2 import parse_args
     d12, fast = parse_args([]), parse_args(["--model", "d12_fast"])
     assert (d12.optimizer, d12.learning_rate, d12.total_batch_size) == ("adamw", 0.0018, None)
-    assert (fast.optimizer, fast.total_batch_size, fast.batch_size, fast.lr_floor) == ("muon", 262144, 32, 0.1)
+    assert (fast.optimizer, fast.total_batch_size, fast.batch_size, fast.lr_floor) == ("muon", 65536, 32, 0.1)
     assert parse_args(["--model", "d12_fast", "--batch_size", "16"]).batch_size == 16
     assert d12.coordinate_descent_tuning and not fast.coordinate_descent_tuning  # on/off flags too
     assert not parse_args(["--model=d12_fast", "--no-coordinate_descent_tuning"]).coordinate_descent_tuning
@@ -374,23 +425,6 @@ def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
     for flag in ("--grad_accumulation_steps", "--total_batch_size"):
         args = parse_args(["--model", "d12_fast", flag, "16384"])
         assert args.total_batch_size == (16384 if flag == "--total_batch_size" else None)
-
-
-def test_p40_schedules_are_the_reference_run_and_d12_fasts_measured_form():
-    from model_variants import p40_flags
-    from train_gpt2 import parse_args
-    d12 = vars(parse_args(["--model", "d12", *p40_flags("d12")]))
-    assert {k: d12[k] for k in ("grad_accumulation_steps", "num_iterations", "learning_rate", "weight_decay",
-                                "warmup_iters", "warmdown_iters", "optimizer")} == dict(
-        grad_accumulation_steps=8, num_iterations=300, learning_rate=6e-4, weight_decay=0.1, warmup_iters=64,
-        warmdown_iters=96, optimizer="adamw")
-    # d12_fast's P40 run: exactly the flags of the headline measurement in docs/RESULTS.md (FASTP40).
-    fast = vars(parse_args(["--model", "d12_fast", *p40_flags("d12_fast")]))
-    measured = dict(optimizer="muon", muon_lr=0.03, muon_momentum_warmup=60, learning_rate=0.008, embed_lr=0.3,
-                    scalar_lr=0.04, weight_decay=0.0, grad_accumulation_steps=1, num_iterations=200,
-                    warmup_iters=0, warmdown_iters=100, lr_floor=0.1, val_loss_every=20, total_batch_size=None,
-                    batch_size=32, sequence_length=1024, val_batch_size=16)
-    assert {k: fast[k] for k in measured} == measured
 
 
 def test_list_models(capsys):
@@ -417,7 +451,7 @@ def test_peak_flops_table_and_na_off_it(monkeypatch, name, peak):
 
 def test_summary_block_formats_missing_values_as_na():
     summary = dict(status="completed", reached_target=False, target_val_loss=3.3821, final_val_loss=3.5,
-                   steps=1, tokens=2, train_time_s=1.0, compile_s=0.0, eval_time_s=0.0, wall_time_s=2.0,
+                   steps=1, overtime_steps=0, tokens=2, train_time_s=1.0, compile_s=0.0, eval_time_s=0.0, wall_time_s=2.0,
                    tokens_per_s=None, mfu=None, peak_mem_mib=None)
     text = format_summary(summary)
     assert text.splitlines()[0] == "---" and "mfu:             n/a" in text and "target_val_loss: 3.3821" in text
