@@ -1721,7 +1721,8 @@ def train(args) -> int:
                 break
             last_step = step == final_step
             evaluated = False
-            eval_due = last_step or step == scheduled_end or (args.val_loss_every > 0 and step % args.val_loss_every == 0)
+            periodic = args.val_loss_every > 0 and step % args.val_loss_every == 0
+            eval_due = last_step or step == scheduled_end or periodic
             if eval_due and not (step == start_step and evaluated_at_start):
                 t0 = time.perf_counter()
                 final_val_loss = evaluate(eval_model, val, env.world_size, args.val_dtype)
@@ -1823,8 +1824,6 @@ def train(args) -> int:
         dist.destroy_process_group()
     if status == "diverged":
         return 1
-    if status == "missed_target":
-        return 3
     return 128 + stop.signum if status == "interrupted" else 0
 
 

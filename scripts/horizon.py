@@ -109,8 +109,8 @@ def parse_pairs(items: list[str], flag: str) -> list[tuple[str, str]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reference", nargs="+", required=True, help="run directories of the reference at each budget")
     p.add_argument("--candidate", action="append", default=[], required=True,
                    help="NAME=RUN,RUN,... : one recipe at several schedule lengths (repeatable)")

@@ -242,8 +242,7 @@ def score_checks(protocol: Protocol, run_dir: str, data: str) -> dict:
     present = [(shard, tokens) for shard, tokens in protocol.checks if os.path.exists(os.path.join(data, shard))]
     if not checkpoints or not present:
         return {}
-    with open(os.path.join(run_dir, "config.json")) as f:
-        val_batch_size = json.load(f)["args"]["val_batch_size"]
+    val_batch_size = read_json(os.path.join(run_dir, "config.json"))["args"]["val_batch_size"]
     model, ckpt = model_from_checkpoint(os.path.join(run_dir, checkpoints[-1]), pick_device("auto"))
     scores = {shard: score(model, os.path.join(data, shard), tokens, val_batch_size, ckpt["sequence_length"])
               for shard, tokens in present}
@@ -252,9 +251,14 @@ def score_checks(protocol: Protocol, run_dir: str, data: str) -> dict:
     return scores
 
 
+def read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
 def finished(run_dir: str) -> bool:
     path = os.path.join(run_dir, "summary.json")
-    return os.path.exists(path) and json.load(open(path)).get("status") == "completed"
+    return os.path.exists(path) and read_json(path).get("status") == "completed"
 
 
 def archive(work: str, path: str):
@@ -295,11 +299,11 @@ def run_specs(protocol: Protocol, specs: list[Spec], data: str, work: str, jobs:
             if len(running) >= jobs:
                 break
             pending.remove(spec)
-            log = open(os.path.join(logs_dir, f"{spec.name}.log"), "w")
             print(f"start {spec.name}: {spec.model} {' '.join(spec.flags)}", flush=True)
-            running[spec.name] = (subprocess.Popen(train_command(protocol, spec, data, runs_dir), stdout=log,
-                                                   stderr=subprocess.STDOUT, env=dict(os.environ,
-                                                                                      PYTHONUNBUFFERED="1")), log)
+            log = open(os.path.join(logs_dir, f"{spec.name}.log"), "w")
+            proc = subprocess.Popen(train_command(protocol, spec, data, runs_dir), stdout=log, stderr=subprocess.STDOUT,
+                                    env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            running[spec.name] = (proc, log)
         for name, (proc, log) in list(running.items()):
             if proc.poll() is None:
                 continue
@@ -314,8 +318,8 @@ def run_specs(protocol: Protocol, specs: list[Spec], data: str, work: str, jobs:
                     checks = {}
                 with open(os.path.join(run_dir, "checks.json"), "w") as f:
                     json.dump(checks, f)
-                print(f"done {name}: " + json.dumps({"val_loss": json.load(open(
-                    os.path.join(run_dir, "summary.json")))["final_val_loss"], **checks}), flush=True)
+                final = read_json(os.path.join(run_dir, "summary.json"))["final_val_loss"]
+                print(f"done {name}: " + json.dumps({"val_loss": final, **checks}), flush=True)
             else:
                 print(f"failed {name}: exit {proc.returncode}, see {os.path.join(logs_dir, name + '.log')}", flush=True)
             for f in os.listdir(run_dir) if os.path.isdir(run_dir) else ():
@@ -323,8 +327,8 @@ def run_specs(protocol: Protocol, specs: list[Spec], data: str, work: str, jobs:
                     os.remove(os.path.join(run_dir, f))  # ~1.5 GB each; the checks have been scored
             if archive_path:
                 archive(work, archive_path)
-        waiting = [s for s in pending if not shards_ready(protocol, s, data)]
-        if waiting and len(waiting) == len(pending) and not running and time.monotonic() > give_up:
+        stuck = pending and not running and not any(shards_ready(protocol, s, data) for s in pending)
+        if stuck and time.monotonic() > give_up:
             for spec in pending:
                 print(f"failed {spec.name}: its shards did not arrive in {data} within {wait_s:.0f}s", flush=True)
             break
@@ -345,7 +349,7 @@ def print_table(run_dirs: list[str], jobs: int, table_path: str, plot_path: str 
         lines.append(f"(--jobs {jobs}: runs shared the GPU, so their times and tokens/s mean nothing; read tokens)")
     for d in run_dirs:
         checks_path = os.path.join(d, "checks.json")
-        checks = json.load(open(checks_path)) if os.path.exists(checks_path) else {}
+        checks = read_json(checks_path) if os.path.exists(checks_path) else {}
         if checks:
             lines.append(f"{os.path.basename(d)} checks: " + ", ".join(f"{k} {v:.4f}" for k, v in checks.items()))
     text = "\n".join(lines)
@@ -358,8 +362,8 @@ def print_table(run_dirs: list[str], jobs: int, table_path: str, plot_path: str 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("stage", help="unpack the shards of --src into --data")
     s.add_argument("--src", required=True, help="folder of proxy shards (.bin or .bin.xz)")
