@@ -98,6 +98,33 @@ def horizon_table(references: list[dict], candidates: dict[str, list[dict]], tok
     return "\n".join(lines)
 
 
+def plot(references: list[dict], candidates: dict[str, list[dict]], path: str):
+    """P100 val loss against tokens (log scale): each reference run's curve with its final loss marked (the
+    targets), and each candidate's runs in one colour per candidate."""
+    import matplotlib  # imported only here: plotting is optional
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for run in references:
+        evals = run["evals"][1:]
+        ax.plot([r["tokens"] / 1e6 for r in evals], [r["val_loss"] for r in evals], color="gray", linewidth=1)
+        ax.plot(evals[-1]["tokens"] / 1e6, evals[-1]["val_loss"], "o", color="black")
+    for color, (name, runs) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], candidates.items()):
+        for i, run in enumerate(runs):
+            evals = run["evals"][1:]
+            ax.plot([r["tokens"] / 1e6 for r in evals], [r["val_loss"] for r in evals], color=color, linewidth=1,
+                    label=name if i == 0 else None)
+    ax.plot([], [], "o-", color="gray", markerfacecolor="black", label="reference (its final losses: the targets)")
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens (M)")
+    ax.set_ylabel("val loss")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def parse_pairs(items: list[str], flag: str) -> list[tuple[str, str]]:
     pairs = []
     for item in items:
@@ -117,6 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens_per_s", action="append", default=[],
                    help="NAME=N (or reference=N): tokens/s measured alone, to turn tokens into training time")
     p.add_argument("--extrapolate", type=float, default=2.5e9, help="tokens to carry the trend to (NoCap: 2.5B)")
+    p.add_argument("--plot", default=None, help="also draw every run's val loss against tokens into this PNG")
     args = p.parse_args(argv)
     try:
         references = [load_run(d) for d in args.reference]
@@ -135,6 +163,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(horizon_table(references, candidates, speeds, args.extrapolate))
+    if args.plot:
+        plot(references, candidates, args.plot)
+        print(f"plot: {args.plot}")
     return 0
 
 

@@ -2,11 +2,13 @@
 synthetic shard sets so that training tests run in seconds on a CPU."""
 
 import json
+from dataclasses import replace
 import os
 import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,6 +19,7 @@ sys.path.insert(0, str(REPO))
 if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED_DATA / "tiktoken").is_dir():
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED_DATA / "tiktoken")
 
+from model_variants import GPTConfig  # noqa: E402
 from train_gpt2 import write_shard  # noqa: E402
 
 SMALL_VOCAB = 256  # synthetic runs override vocab_size so the lm_head stays cheap
@@ -59,3 +62,30 @@ def read_metrics(run_dir) -> list[dict]:
 
 def train_losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["train_loss"] for r in read_metrics(run_dir) if "train_loss" in r}
+
+
+def shrink(config: GPTConfig, **changes) -> GPTConfig:
+    """The same idea at test size: 2 layers, width 64, 4 heads, vocab 128."""
+    small = replace(config, n_layer=2, n_head=4, n_embd=64, vocab_size=128, block_size=64,
+                    n_kv_head=min(config.n_kv_head, 2), kv_lora_rank=16 if config.kv_lora_rank else 0,
+                    mla_rope_dim=8, window=8 if config.window else 0)
+    return replace(small, **changes)
+
+
+def next_token_logit_grads(model, idx, t):
+    """d(logits at position t) / d(input embeddings), through a hook that swaps in a leaf tensor."""
+    captured = {}
+
+    def hook(module, inputs, output):
+        captured["emb"] = output.detach().requires_grad_()
+        return captured["emb"]
+    handle = model.transformer.wte.register_forward_hook(hook)
+    logits, _, _ = model(idx, idx)
+    handle.remove()
+    logits[0, t].sum().backward()
+    return captured["emb"].grad
+
+
+def cosine(a, b) -> float:
+    """Cosine similarity of two tensors, flattened, in float64."""
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()

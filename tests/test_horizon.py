@@ -49,7 +49,8 @@ def test_the_table_gives_each_budgets_lead_and_time(tmp_path, capsys):
     candidate = [write_run(tmp_path / f"c{s}", [(0, 10.0), (s * 1e6 / 2, loss + 0.5), (s * 1e6, loss)])
                  for s, loss in ((4, 6.5), (8, 5.5), (16, 4.5))]
     code = horizon.main(["--reference", *reference, "--candidate", "fast=" + ",".join(candidate),
-                         "--tokens_per_s", "reference=1e6", "--tokens_per_s", "fast=2e6"])
+                         "--tokens_per_s", "reference=1e6", "--tokens_per_s", "fast=2e6",
+                         "--plot", str(tmp_path / "horizon.png")])
     lines = capsys.readouterr().out.splitlines()
     assert code == 0
     rows = {line.split()[0]: line.split() for line in lines[2:4]}
@@ -58,7 +59,8 @@ def test_the_table_gives_each_budgets_lead_and_time(tmp_path, capsys):
     assert float(rows["40.0"][3]) == pytest.approx(8 * 2 ** 0.5, abs=0.01)
     assert float(rows["40.0"][4]) == pytest.approx(40 / (8 * 2 ** 0.5), abs=0.01)
     assert float(rows["40.0"][5]) == pytest.approx(8 * 2 ** 0.5 / 2, abs=0.05)  # tokens / 2M tokens/s
-    summary = lines[-1]
+    assert lines[-1] == f"plot: {tmp_path / 'horizon.png'}" and (tmp_path / "horizon.png").stat().st_size > 0
+    summary = lines[-2]
     assert summary.startswith("fast: r(D) ~ D^") and "at 2.5B tokens r =" in summary
     lead = 40 / (8 * 2 ** 0.5)  # both budgets have this lead: a flat trend
     assert f"r = {lead:.2f}" in summary and f"{2.5 / lead:.2f}B tokens" in summary

@@ -1,5 +1,6 @@
 """The d12 model is NoCap's math: rotary layout, norms, scaling, tying, init; attention backends agree;
-the model is causal; it can learn."""
+the model is causal and can learn; the other norms, learned positions, an untied head, the softcap and
+activation checkpointing do what they claim."""
 
 import math
 from dataclasses import replace
@@ -133,3 +134,41 @@ def test_unknown_variant_suggests_close_names():
 def test_invalid_configs_explain_themselves(bad, message):
     with pytest.raises(ValueError, match=message):
         GPTConfig(**bad)
+
+
+@pytest.mark.parametrize("norm", ["rms_gain", "layer"])
+def test_norm_variants(norm):
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=64, norm=norm))
+    layer_norm = model.transformer.h[0].norm_attn
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        layer_norm.weight.uniform_(0.5, 1.5)
+    ref = (F.rms_norm(x, (64,), layer_norm.weight, 1e-6) if norm == "rms_gain"
+           else F.layer_norm(x, (64,), layer_norm.weight, None, 1e-6))
+    torch.testing.assert_close(layer_norm(x), ref)
+    assert sum(p.numel() for n, p in model.named_parameters() if "norm" in n) == (2 * 2 + 1) * 64
+
+
+def test_learned_positions_untied_head_and_softcap():
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=64, pos="learned", tie_embeddings=False, logit_softcap=2.0))
+    assert model.rotary is None and model.transformer.wpe.weight.shape == (1024, 64)
+    assert model.lm_head.weight is not model.transformer.wte.weight
+    logits, _, _ = model(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))
+    assert logits.abs().max().item() <= 2.0
+    # Learned positions make the output depend on where a token sits: swap two positions, logits change.
+    idx = torch.tensor([[1, 2, 1, 2]])
+    assert not torch.allclose(model(idx, idx)[0][0, 0], model(idx, idx)[0][0, 2])
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    plain = GPT(with_overrides(TINY, vocab_size=64))
+    ckpt = GPT(with_overrides(TINY, vocab_size=64, activation_checkpointing=True))
+    ckpt.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+    for model in (plain, ckpt):
+        model(idx, idx)[1].backward()
+    for a, b in zip(plain.parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)

@@ -1,9 +1,7 @@
 """The bundled sample (data/sample) is valid, small, real text, and trains out of the box."""
 
 import json
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import REPO
