@@ -7,7 +7,7 @@ interpreter (TRITON_INTERPRET=1 in the environment before this module is importe
 softcap_cross_entropy: the head's per-token loss and its gradient w.r.t. the logits from one read of the
 logits. Inductor fuses the torch version into a single reduction kernel, but that kernel passes over each
 row of the logits three times and evaluates libdevice's tanh in each pass: 3.10 ms for 16,384 x 50,304 bf16
-logits on an H100, against 1.83 ms for the kernel here (docs/RESULTS.md, session 6).
+logits on an H100, against 1.83 ms for the kernel here.
 """
 
 import os
@@ -73,7 +73,7 @@ def softcap_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: in
     losses = torch.empty(N, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
     grad = torch.empty_like(logits)
     # One program per row, the row in blocks of 2048 columns, 4 warps: within 0.05 ms of the fastest of
-    # 1,024-4,096 columns x 2-8 warps on an H100 (docs/RESULTS.md, session 6).
+    # 1,024-4,096 columns x 2-8 warps on an H100.
     _softcap_cross_entropy_rows[(N,)](logits, grad, targets, losses, logits.stride(0), grad.stride(0), vocab, width,
                                       CAP=float(cap), FAST_TANH=logits.device.type == "cuda",
                                       BLOCK=min(2048, triton.next_power_of_2(width)), num_warps=4)

@@ -43,7 +43,6 @@ class GPTConfig:
     # --- MLP / MoE --------------------------------------------------------------------------------
     mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * n_embd (SwiGLU: parameter-matched, see mlp_hidden_size)
     mlp_act: str = "gelu"
-    mlp_hidden: int = 0  # explicit hidden width; 0 = derived from mlp_ratio
     moe_experts: int = 0  # > 0: a Mixture-of-Experts FFN (token-choice, dropless) in the moe_layers blocks
     moe_topk: int = 2  # experts per token; each expert is mlp_hidden_size / moe_topk wide (equal active FLOPs)
     moe_layers: str = "all"  # "all", or comma-separated block indices such as "1,3,5"
@@ -53,18 +52,14 @@ class GPTConfig:
     mtp_k: int = 0  # multi-token prediction: extra targets t+2 .. t+1+k, each from its own projection
     mtp_weight: float = 0.3  # weight of the mean extra-target loss in the training objective
     logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
-    # Training-time lm_head products in FP8 (e4m3 inputs, e5m2 gradients) on GPUs with FP8 tensor cores
-    # (sm_89+: RTX 4090, H100); bf16 elsewhere, with a notice. Evaluation never uses FP8. With
-    # fused_head_loss, the logits' product only (HeadCrossEntropy says why).
-    fp8_head: bool = False
-    # The same for the blocks' linear layers (attention and MLP projections): all three training-time
-    # products of each in FP8 (FP8Matmul), per-tensor scales computed from each tensor as it comes. Slower
-    # for d12_fast on an H100 (-7.3% tokens/s: the casts cost more than the products save at width 768).
-    fp8_linears: bool = False
     # Training loss of the head as one autograd function that computes the logits' gradient in the forward
     # pass (a Triton kernel on CUDA), its products on the vocabulary padded to a multiple of 64
     # (HeadCrossEntropy): same math, fewer passes over the (tokens, vocab) logits, aligned GEMMs.
     fused_head_loss: bool = False
+    # The fused head loss's logits product in FP8 (e4m3, per-tensor scales) on GPUs with FP8 tensor cores
+    # (sm_89+: RTX 4090, H100), bf16 elsewhere with a notice; training only (HeadCrossEntropy says why only
+    # that product).
+    fp8_head: bool = False
     # --- the rest ---------------------------------------------------------------------------------
     norm: str = "rms"  # "rms" (parameter-free, NoCap), "rms_gain" (learned gain), "layer" (LayerNorm)
     norm_eps: float = 1e-6
@@ -90,7 +85,7 @@ class GPTConfig:
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "block_size", "moe_topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("n_kv_head", "window", "kv_lora_rank", "mlp_hidden", "moe_experts", "mtp_k"):
+        for name in ("n_kv_head", "window", "kv_lora_rank", "moe_experts", "mtp_k"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.n_embd % self.n_head != 0:
@@ -121,6 +116,8 @@ class GPTConfig:
             raise ValueError(f"moe_topk={self.moe_topk} exceeds moe_experts={self.moe_experts}")
         if self.moe_experts and self.mlp_hidden_size % self.moe_topk:
             raise ValueError(f"moe_topk={self.moe_topk} does not divide the MLP width {self.mlp_hidden_size}")
+        if self.fp8_head and not self.fused_head_loss:
+            raise ValueError("fp8_head is the fused head loss's logits product in FP8; set fused_head_loss too")
         self.moe_block_indices  # validates moe_layers
 
     # --- derived sizes: one place for each rule ------------------------------------------------------
@@ -133,16 +130,19 @@ class GPTConfig:
         return self.n_kv_head or self.n_head
 
     @property
+    def chunked_windows(self) -> bool:
+        """Whether local layers attend within aligned blocks (window_kind "chunked") rather than a sliding window."""
+        return self.window_kind == "chunked"
+
+    @property
     def rotary_dim(self) -> int:
         """Dimensions per head that rotary embedding turns: all of them, or MLA's decoupled part."""
         return self.mla_rope_dim if self.kv_lora_rank else self.head_dim
 
     @property
     def mlp_hidden_size(self) -> int:
-        """Hidden width. SwiGLU has three matrices instead of two, so by default it gets 2/3 of the
-        width (rounded to a multiple of 64) to match the parameters of the GELU MLP of the same ratio."""
-        if self.mlp_hidden:
-            return self.mlp_hidden
+        """Hidden width. SwiGLU has three matrices instead of two, so it gets 2/3 of the width (rounded to a
+        multiple of 64) to match the parameters of the GELU MLP of the same ratio."""
         width = self.mlp_ratio * self.n_embd
         return max(64, round(2 * width / 3 / 64) * 64) if self.mlp_act == "swiglu" else width
 
@@ -198,47 +198,42 @@ VARIANTS: dict[str, GPTConfig] = {
     "d12_swa": replace(D12, attn_impl="flex", window=256, window_pattern="LLLG"),  # 3 local : 1 global
     # The combination the user's performance analysis recommended first (it expected 1.6-1.8x):
     "d12_lite": replace(D12, n_kv_head=4, attn_impl="flash", mlp_ratio=3),
-    # The measured-best recipe (docs/RESULTS.md has an ablation row for every field and flag it changes).
+    # The measured-best recipe: docs/RESULTS.md has a P100 or P40 row for every field and flag it changes.
     "d12_fast": replace(
         D12, n_head=6,  # head_dim 128
-        # Tied head: on P100 the untied head needs 22% more tokens to d12@P100's loss (docs/RESULTS.md), and
-        # 38.6M fewer parameters. FineWeb records that train ~10x longer found the opposite.
+        # Tied: at the horizons measured the untied head's extra parameters cost more tokens than they earn.
         qk_norm=True, mlp_act="relu2", zero_init_proj=True, scale_attn_branch=False, tie_embeddings=True,
-        # MLP 3x (hidden 2304): the 4x MLP reaches the same P100 losses per token at 20M and 40M tokens (two
-        # seeds) but runs 8% fewer tokens/s; 14.2M fewer parameters.
+        # 3x: the 4x MLP learns the same per token and runs 8% fewer tokens/s.
         mlp_ratio=3,
         logit_softcap=15.0, embed_norm=True, x0_mix=True, value_residual=True, unet_skips=True,
-        # +9.3% tokens/s on an H100, same losses. Not the FP8 head: +1.9% tokens/s there, but at P40 it needed
-        # 2% more tokens to d12's loss and ended 0.013 higher (docs/RESULTS.md).
+        # The plain head's math in fewer passes over the logits. Its FP8 form (fp8_head) costs loss: off.
         fused_head_loss=True,
-        # +5.1% tokens/s on an H100, P40 losses as in fp32 (6% less time to d12's loss). Not FP8 in the blocks'
-        # linear layers: its casts cost more than its products save at this width, -7.3% (docs/RESULTS.md).
+        # Half the bytes for every elementwise pass over the stream, the same losses. (FP8 in the blocks'
+        # linear layers was slower: at width 768 the casts cost more than the products save.)
         bf16_residual=True,
-        # Three of four layers attend within aligned blocks of 256 tokens, every fourth over the whole sequence:
-        # on P100, 8% fewer tokens to d12@P100's loss than full attention in every layer (two seeds) and 1.5%
-        # more tokens/s.
+        # Three of four layers attend within aligned 256-token blocks, every fourth over the whole sequence:
+        # fewer tokens to the same loss than full attention everywhere, and faster.
         window=256, window_pattern="LLLG", window_kind="chunked"),
 }
 
 # Training settings a variant brings along: train_gpt2.py takes them as its flag defaults when --model
 # names the variant, and flags given on the command line still win. Keys are the trainer's flag names.
 RECIPES: dict[str, dict] = {
-    # FineWeb schedule (docs/RESULTS.md sizes it): 16,000 steps of 65,536 tokens = 1.05B tokens, the upper end of
-    # the token range the P100 horizon curve extrapolates to for val <= 3.3821; the run stops at the first
-    # evaluation under the target, which a schedule longer than needed reaches a little later than one that ends
-    # there, while one too short ends above it. If it still does, up to 4,000 more steps at the final lr.
-    # 65,536 tokens per step (two 32x1024 micro-batches): on P100 it needs half the tokens of 262,144 per step,
-    # for 2% fewer tokens/s; the first half of the steps at constant lr, a cooldown to 10% over the second half,
-    # Muon's momentum warmed up over the first 15%.
-    # muon_lr 0.03 beat 0.05 and 0.08 in the P40 sweep; the other values follow the modded-nanogpt lineage.
-    # The tied head trains in the head's group (learning_rate); embed_lr is the input embedding's peak when it
-    # is untied (`--tie_embeddings false`).
+    # FineWeb schedule, sized in docs/RESULTS.md: 16,000 steps of 65,536 tokens (1.05B), the upper end of what
+    # the P100 horizon curve projects for val <= 3.3821. The run stops at the first evaluation under the target;
+    # a schedule longer than needed gets there a little later than one that ends there, one too short ends
+    # above it: hence the upper end, and up to 4,000 overtime steps at the final lr.
+    # 65,536 tokens per step (two 32x1024 micro-batches): half the tokens of 262,144 to the same loss, for 2%
+    # fewer tokens/s. Constant lr for the first half of the steps, a cooldown to 10% over the second; Muon's
+    # momentum warms up over the first 15%.
+    # muon_lr 0.03 beat 0.05 and 0.08 (P40); the other values follow the modded-nanogpt lineage. The tied head
+    # trains in the head's group (learning_rate); embed_lr is the input embedding's peak when it is untied.
     "d12_fast": dict(
         optimizer="muon", muon_lr=0.03, muon_momentum_warmup=2400, learning_rate=0.008, embed_lr=0.3,
         scalar_lr=0.04, weight_decay=0.0, total_batch_size=65536, batch_size=32, num_iterations=16000,
         warmup_iters=0, warmdown_iters=8000, lr_floor=0.1, val_loss_every=500, overtime_steps=4000,
-        # Inductor's coordinate-descent tuning (NoCap's setting, d12's default): +0.4% tokens/s for 96 s more
-        # compile on an H100 (docs/RESULTS.md). Off.
+        # Inductor's coordinate-descent tuning (NoCap's setting, d12's default) gains 0.4% tokens/s for 96 s
+        # more compile: off.
         coordinate_descent_tuning=False),
 }
 

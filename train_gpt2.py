@@ -7,8 +7,9 @@
 train_gpt2.py; everything else (variants, logs, resume, DDP on CPU) is built around that one loop.
 The file reads top to bottom in sections:
 
-    config & CLI  ->  model  ->  data  ->  evaluation  ->  optimizer & schedule
-    ->  measurement (FLOPs, MFU)  ->  run directory & checkpoints  ->  train()  ->  main()
+    config & CLI  ->  model  ->  fast paths (each pinned by a test to the plain form it replaces)
+    ->  data  ->  evaluation  ->  optimizers & schedule  ->  measurement (FLOPs, MFU, tokens/s)
+    ->  run directory & checkpoints  ->  training (setup_run, train_step, the loop in train())  ->  main()
 """
 
 import argparse
@@ -211,7 +212,7 @@ def overtime_applies(args) -> bool:
 
 
 # =============================================================================
-# Model
+# Model: norms, rotary, the attention seam, MLP and MoE, blocks, GPT
 # =============================================================================
 
 _notices_shown: set[str] = set()
@@ -219,8 +220,8 @@ _notices_shown: set[str] = set()
 
 # Notices are raised inside the model's forward too (a kernel that falls back). Traced by torch.compile,
 # the print would split the graph there, and a split inside the loop over blocks makes dynamo run the
-# rest of the forward uncompiled (d12_flash: 61.7 instead of ~35 ms per step on an H100). Marked as a
-# constant result, the call runs once while dynamo traces and leaves nothing in the graph.
+# rest of the forward uncompiled. Marked as a constant result, the call runs once while dynamo traces
+# and leaves nothing in the graph.
 @torch._dynamo.assume_constant_result
 def notice(message: str):
     """A one-line notice on stderr, shown once per process (kernel fallbacks and the like)."""
@@ -262,7 +263,7 @@ class Norm(nn.Module):
 class Rotary(nn.Module):
     """cos/sin tables for rotary embedding, computed once for block_size positions. Kept as buffers,
     not recomputed per forward: inside a compiled graph inductor would otherwise fuse the cos/sin
-    math into every rotary kernel of every layer (measured: a quarter of d12's step time)."""
+    math into every rotary kernel of every layer (a quarter of d12's step time)."""
 
     def __init__(self, rotary_dim: int, block_size: int, base: float):
         super().__init__()
@@ -405,18 +406,36 @@ def cached_attention(q, k, v, layer: int, window: int, chunked: bool, cache: KVC
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.size(1) != q.size(1))
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head attention with grouped key/value heads (MHA when n_kv_head == n_head, MQA at 1)."""
+class Attention(nn.Module):
+    """What both attention forms share: the layer's window, and the seam that attends (over the KV cache
+    while decoding) and projects the heads back into the stream through the subclass's c_proj."""
 
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.config, self.layer, self.window = config, layer, config.layer_window(layer)
-        self.chunked = config.window_kind == "chunked"
+
+    def attend(self, q, k, v, block_masks=None, cache: KVCache | None = None) -> torch.Tensor:
+        """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) -> (B, T, n_embd)."""
+        c = self.config
+        if cache is not None:
+            y = cached_attention(q, k, v, self.layer, self.window, c.chunked_windows, cache)
+        else:
+            y = causal_attention(q, k, v, c.attn_impl, self.window, block_masks and block_masks[self.window],
+                                 c.chunked_windows)
+        B, _, T, _ = q.shape
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, c.n_embd))
+
+
+class CausalSelfAttention(Attention):
+    """Multi-head attention with grouped key/value heads (MHA when n_kv_head == n_head, MQA at 1)."""
+
+    def __init__(self, config: GPTConfig, layer: int):
+        super().__init__(config, layer)
         q_dim, kv_dim = config.n_embd, config.kv_heads * config.head_dim
         self.split = (q_dim, kv_dim, kv_dim)
         # One fused projection; for MHA this is NoCap's c_attn (n_embd -> 3 * n_embd) exactly.
-        self.c_attn = BlockLinear(config, config.n_embd, q_dim + 2 * kv_dim)
-        self.c_proj = BlockLinear(config, config.n_embd, config.n_embd)
+        self.c_attn = nn.Linear(config.n_embd, q_dim + 2 * kv_dim, bias=False)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         # Value residual (ResFormer): blocks after the first blend in block 0's values, starting half-half.
         self.v_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if config.value_residual and layer > 0 else None
 
@@ -435,28 +454,22 @@ class CausalSelfAttention(nn.Module):
         if self.v_mix is not None:
             v = self.v_mix[0] * v + self.v_mix[1] * v0
         values = v
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        y = (cached_attention(q, k, v, self.layer, self.window, self.chunked, cache) if cache is not None
-             else causal_attention(q, k, v, c.attn_impl, self.window, block_masks and block_masks[self.window],
-                                   self.chunked))
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)), values
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_masks, cache), values
 
 
-class LatentAttention(nn.Module):
+class LatentAttention(Attention):
     """Multi-head latent attention (DeepSeek-V2 MLA). Keys and values are expanded from one
     kv_lora_rank-wide latent per token (the only per-token K/V state a cache would keep), plus
     mla_rope_dim rotary key dimensions shared by all heads; rotary embedding touches only those
     decoupled dimensions, so the latent's up-projection could be folded into the query at inference."""
 
     def __init__(self, config: GPTConfig, layer: int):
-        super().__init__()
-        self.config, self.layer, self.window = config, layer, config.layer_window(layer)
-        self.chunked = config.window_kind == "chunked"
+        super().__init__(config, layer)
         self.nope_dim = config.head_dim - config.mla_rope_dim
-        self.c_q = BlockLinear(config, config.n_embd, config.n_embd)
-        self.c_kv_down = BlockLinear(config, config.n_embd, config.kv_lora_rank + config.mla_rope_dim)
-        self.c_kv_up = BlockLinear(config, config.kv_lora_rank, config.n_head * (self.nope_dim + config.head_dim))
-        self.c_proj = BlockLinear(config, config.n_embd, config.n_embd)
+        self.c_q = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.c_kv_down = nn.Linear(config.n_embd, config.kv_lora_rank + config.mla_rope_dim, bias=False)
+        self.c_kv_up = nn.Linear(config.kv_lora_rank, config.n_head * (self.nope_dim + config.head_dim), bias=False)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None, v0=None):
         B, T, C = x.shape
@@ -472,11 +485,7 @@ class LatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(B, T, c.n_head, c.mla_rope_dim)], dim=-1)
         if c.qk_norm:
             q, k = rms_norm(q, c.norm_eps), rms_norm(k, c.norm_eps)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        y = (cached_attention(q, k, v, self.layer, self.window, self.chunked, cache) if cache is not None
-             else causal_attention(q, k, v, c.attn_impl, self.window, block_masks and block_masks[self.window],
-                                   self.chunked))
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)), None
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_masks, cache), None
 
 
 def mlp_activation(h: torch.Tensor, act: str) -> torch.Tensor:
@@ -495,175 +504,11 @@ class MLP(nn.Module):
         self.act = config.mlp_act
         hidden = hidden or config.mlp_hidden_size
         gated = 2 if self.act == "swiglu" else 1
-        self.c_fc = BlockLinear(config, config.n_embd, gated * hidden)
-        self.c_proj = BlockLinear(config, hidden, config.n_embd)
+        self.c_fc = nn.Linear(config.n_embd, gated * hidden, bias=False)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
 
     def forward(self, x):
         return self.c_proj(mlp_activation(self.c_fc(x), self.act))
-
-
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-
-
-def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor scaled cast: (t / scale in `dtype`, fp32 scale), with t's largest magnitude at the format's max."""
-    scale = t.detach().abs().amax().float().clamp(min=1e-12) / FP8_MAX[dtype]
-    return (t.float() / scale).to(dtype), scale
-
-
-class FP8Matmul(torch.autograd.Function):
-    """x @ w.T with the forward product and both backward products in FP8 through torch._scaled_mm:
-    activations and weights as e4m3, the incoming gradient as e5m2 (its range matters more than its
-    precision); the output in out_dtype. Shapes: x (N, d), w (V, d), every dimension a multiple of 16."""
-
-    @staticmethod
-    def forward(ctx, x, w, out_dtype: torch.dtype = torch.bfloat16):
-        x8, x_scale = to_fp8(x, torch.float8_e4m3fn)
-        w8, w_scale = to_fp8(w, torch.float8_e4m3fn)
-        ctx.save_for_backward(x8, x_scale, w8, w_scale)
-        ctx.x_dtype = x.dtype
-        # _scaled_mm wants its first operand row-major and its second column-major: w8.t() is that view.
-        return torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x8, x_scale, w8, w_scale = ctx.saved_tensors
-        g8, g_scale = to_fp8(grad, torch.float8_e5m2)
-        grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=g_scale, scale_b=w_scale,
-                                  out_dtype=torch.bfloat16)
-        grad_w = torch._scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), scale_a=g_scale, scale_b=x_scale,
-                                  out_dtype=torch.float32)
-        return grad_x.to(ctx.x_dtype), grad_w, None
-
-
-def fp8_supported(device: torch.device) -> bool:
-    """FP8 tensor cores: CUDA compute capability 8.9 or newer (RTX 4090, H100; not A100 or RTX 3090).
-    torch._scaled_mm also runs on CPU, which keeps the path testable there."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
-    return device.type == "cpu"
-
-
-def fp8_applies(flag: str, fallback: str, x: torch.Tensor, n_out: int) -> bool:
-    """Whether the product of x (..., d) with an (n_out, d) weight, asked for in FP8 by the config field
-    `flag`, can run in FP8: the device has FP8 tensor cores (otherwise a notice says what runs in bf16
-    instead) and every dimension is a multiple of 16 (torch._scaled_mm's rule)."""
-    if not fp8_supported(x.device):
-        name = torch.cuda.get_device_name(x.device) if x.device.type == "cuda" else x.device.type
-        notice(f"{flag}: {name} has no FP8 tensor cores (sm_89+); {fallback} in bf16")
-        return False
-    return x[..., 0].numel() % 16 == 0 and x.size(-1) % 16 == 0 and n_out % 16 == 0
-
-
-class BlockLinear(nn.Linear):
-    """A bias-free linear layer inside a block (attention and MLP projections). With fp8_linears its
-    training-time products (forward and both backward) run in FP8 through FP8Matmul where the GPU has FP8
-    tensor cores; evaluation, no-grad passes and GPUs without them take the plain product (autocast's dtype)."""
-
-    def __init__(self, config: GPTConfig, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
-        self.fp8 = config.fp8_linears
-
-    def forward(self, x):
-        if (self.fp8 and self.training and torch.is_grad_enabled()
-                and fp8_applies("fp8_linears", "the blocks' linear layers run", x, self.out_features)):
-            y = FP8Matmul.apply(x.reshape(-1, x.size(-1)), self.weight, compute_dtype(x))
-            return y.view(*x.shape[:-1], self.out_features)
-        return super().forward(x)
-
-
-class HeadCrossEntropy(torch.autograd.Function):
-    """The training loss of the head in one piece: mean cross-entropy of the (softcapped) logits
-    cap * tanh(h @ w.T / cap) over the targets that are not -1, with the gradient w.r.t. the logits
-    computed in the forward pass (kernels.softcap_cross_entropy: a Triton kernel on CUDA that reads the
-    logits once, inductor's fusion of the same math elsewhere). Autograd's version keeps the (N, vocab)
-    logits and passes over them three more times in the backward (log-softmax's, tanh's and the cast's
-    backward); here the backward is the two head products only. Products in `dtype` (bf16 under
-    autocast), the softmax in at least fp32. Shapes: h (N, d), w (V, d), targets (N,).
-
-    The products run on the vocabulary padded with zero rows to a multiple of 64, the padded columns
-    masked out of the softmax: GPT-2's 50,257 is odd, which leaves every row of the logits unaligned and
-    sends cuBLAS to slower kernels (nanoGPT pads the embedding itself; here the parameters stay NoCap's).
-
-    fp8: the logits' product in FP8 (torch._scaled_mm, h and w as e4m3 with per-tensor scales), the two
-    backward products in bf16, as measured on an H100 (docs/RESULTS.md, session 6): the weight's gradient
-    in FP8 needs the (N, V) gradient transposed (FP8 tensor cores take K-major operands only; the copy alone
-    took longer than the product), and the hidden states' gradient in FP8 needs an e5m2 copy of it, which
-    cost the loss kernel 0.9 ms, more than the product saved."""
-
-    @staticmethod
-    def forward(ctx, h, w, targets, cap: float, dtype: torch.dtype, fp8: bool = False):
-        V = w.size(0)
-        h_c, w_c = h.to(dtype), F.pad(w.to(dtype), (0, 0, 0, -V % 64))
-        if fp8:
-            (h8, h_scale), (w8, w_scale) = to_fp8(h_c, torch.float8_e4m3fn), to_fp8(w_c, torch.float8_e4m3fn)
-            logits = torch._scaled_mm(h8, w8.t(), scale_a=h_scale, scale_b=w_scale, out_dtype=dtype)
-        else:
-            logits = h_c @ w_c.t()
-        losses, grad = kernels.softcap_cross_entropy(logits, targets, V, cap)
-        count = (targets != -1).sum()
-        ctx.save_for_backward(h_c, w_c, grad, count)
-        ctx.dtypes, ctx.vocab = (h.dtype, w.dtype), V
-        return losses.sum() / count
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        h_c, w_c, grad, count = ctx.saved_tensors
-        # The mean's 1/count and the incoming scalar scale the two (N, d) and (V, d) products, not the
-        # (N, V) gradient.
-        scale = grad_loss / count
-        grad_h = (grad @ w_c) * scale
-        grad_w = (grad.t() @ h_c)[:ctx.vocab] * scale
-        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None
-
-
-def check_head_loss_kernel(device: torch.device):
-    """On CUDA the fused head loss wants its Triton kernel; without Triton (a torch build that does not bring
-    it) inductor's fusion of the same math runs instead: 3.10 against 1.83 ms for 16k tokens on an H100
-    (docs/RESULTS.md, session 6)."""
-    if device.type == "cuda" and not kernels.triton_runs_on(device):
-        notice("fused_head_loss: Triton is not installed, so the head loss runs inductor's fusion of the same "
-               "math instead of the kernel (same result, slower); pip install triton")
-
-
-def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm can run here: CUDA kernels take bf16 only (measured with torch 2.11 on
-    an H100: fp32 inputs fail, which is what the fp32 evaluation pass would give), the CPU one fp32/bf16,
-    and a compiled graph (traced through the op's shape function, which also insists on bf16) bf16 only."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if device_type == "cuda" or torch.compiler.is_compiling():
-        return dtype == torch.bfloat16
-    return dtype in (torch.float32, torch.bfloat16)
-
-
-@torch.compiler.disable
-def experts_one_by_one(routed, counts, w_in, w_out, act: str) -> torch.Tensor:
-    """The per-expert loop over token blocks grouped by expert (where torch._grouped_mm cannot run: the
-    fp32 evaluation pass on CUDA). Its block sizes depend on the data, so it stays out of compiled graphs:
-    torch 2.11's inductor failed on it on an H100 ("0 not in VR[32768, 32768]", an expert with no tokens)."""
-    out, start = [], 0
-    for e, n in enumerate(counts.tolist()):
-        block = routed[start: start + n]
-        out.append(mlp_activation(block @ w_in[e], act) @ w_out[e])
-        start += n
-    return torch.cat(out)
-
-
-class PermuteRows(torch.autograd.Function):
-    """x[order] for a permutation `order` whose inverse is given. Plain indexing's backward is a scatter-add
-    with atomics, since autograd cannot know the indices are distinct; a permutation's is the gather
-    grad[inverse]. The MoE moves every token through two of these per layer."""
-
-    @staticmethod
-    def forward(ctx, x, order, inverse):
-        ctx.save_for_backward(inverse, order)
-        return x[order]
-
-    @staticmethod
-    def backward(ctx, grad):
-        inverse, order = ctx.saved_tensors
-        return PermuteRows.apply(grad, inverse, order), None, None
 
 
 class MoE(nn.Module):
@@ -780,35 +625,25 @@ class GPT(nn.Module):
                 for w in ((block.mlp.w_out,) if isinstance(block.mlp, MoE) else (block.mlp.c_proj.weight,)):
                     nn.init.zeros_(w)
 
-    def logits(self, h: torch.Tensor, fp8: bool = False) -> torch.Tensor:
-        """Head (and softcap) over hidden states h (..., n_embd); fp8 asks for the FP8 head (training only)."""
-        logits = self.fp8_head(h) if fp8 and self.use_fp8_head(h) else self.lm_head(h)
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head (and softcap) over hidden states h (..., n_embd)."""
+        logits = self.lm_head(h)
         if self.config.logit_softcap:
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits.float() / cap)
         return logits
 
-    def head_loss(self, h: torch.Tensor, targets: torch.Tensor, fp8: bool = False) -> torch.Tensor:
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of the head over hidden states h (B, T, n_embd) against targets (B, T), -1
-        ignored; fp8 asks for the FP8 head. With fused_head_loss, a pass that builds a gradient takes
-        HeadCrossEntropy (same math, fewer passes over the logits); everything else goes through logits."""
-        fp8 = fp8 and self.use_fp8_head(h)
-        if self.config.fused_head_loss and torch.is_grad_enabled():
+        ignored. With fused_head_loss a pass that builds a gradient takes HeadCrossEntropy (the same math,
+        fewer passes over the logits; in training, its logits product in FP8 where fp8_head asks for it)."""
+        c = self.config
+        if c.fused_head_loss and torch.is_grad_enabled():
             check_head_loss_kernel(h.device)
+            fp8 = c.fp8_head and self.training and fp8_head_runs(h)
             return HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                          self.config.logit_softcap, compute_dtype(h), fp8)
-        return cross_entropy(self.logits(h, fp8), targets)
-
-    def use_fp8_head(self, h: torch.Tensor) -> bool:
-        # Both FP8 forms pad the vocabulary to a multiple of 16 (or more), so only h's shape can rule FP8 out.
-        return self.config.fp8_head and fp8_applies("fp8_head", "the head runs", h, 16)
-
-    def fp8_head(self, h: torch.Tensor) -> torch.Tensor:
-        # The vocabulary (50,257) is padded with zero rows to a multiple of 16 for the product and cut after.
-        V = self.lm_head.weight.size(0)
-        weight = F.pad(self.lm_head.weight, (0, 0, 0, -V % 16))
-        logits = FP8Matmul.apply(h.reshape(-1, h.size(-1)), weight)[:, :V]
-        return logits.view(*h.shape[:-1], V)
+                                          c.logit_softcap, compute_dtype(h), fp8)
+        return cross_entropy(self.logits(h), targets)
 
     def forward(self, idx, targets=None, return_logits=True, cache: KVCache | None = None):
         """idx, targets: (B, T) token ids. Returns (logits or None, loss or None, aux). The loss is the
@@ -824,7 +659,7 @@ class GPT(nn.Module):
         block_masks = None
         if c.attn_impl == "flex" and cache is None:  # one mask per distinct window (local and global layers)
             block_masks = flex_block_masks(T, sorted({c.layer_window(i) for i in range(c.n_layer)}), idx.device,
-                                           c.window_kind == "chunked")
+                                           c.chunked_windows)
         x = self.transformer.wte(idx)  # (B, T, n_embd)
         if c.pos == "learned":
             x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
@@ -856,10 +691,10 @@ class GPT(nn.Module):
         if targets is None:
             return self.logits(h[:, [-1], :]), None, aux  # inference: only the last position
         if return_logits:
-            logits = self.logits(h, fp8=self.training)  # (B, T, vocab)
+            logits = self.logits(h)  # (B, T, vocab)
             loss = cross_entropy(logits, targets)
         else:
-            logits, loss = None, self.head_loss(h, targets, fp8=self.training)
+            logits, loss = None, self.head_loss(h, targets)
         if self.training:
             objective = loss
             aux["next_token_loss"] = loss.detach()
@@ -867,7 +702,7 @@ class GPT(nn.Module):
                 mtp_losses = []
                 for j, proj in enumerate(self.mtp_proj, start=1):
                     # Position t predicts token t+1+j, i.e. targets[t + j]; the last j positions have none.
-                    mtp_losses.append(self.head_loss(self.norm_f(proj(h[:, :-j])), targets[:, j:], fp8=True))
+                    mtp_losses.append(self.head_loss(self.norm_f(proj(h[:, :-j])), targets[:, j:]))
                     aux[f"mtp_loss_{j}"] = mtp_losses[-1].detach()
                 objective = objective + c.mtp_weight * torch.stack(mtp_losses).mean()
             if moe_terms:
@@ -928,6 +763,143 @@ class GPT(nn.Module):
             if isinstance(module, MoE):
                 total += (module.w_in.numel() + module.w_out.numel()) // module.n_experts * module.topk
         return total + self.config.mtp_k * self.lm_head.weight.numel()
+
+
+# =============================================================================
+# Fast paths: each computes what a plain form above computes, faster, and a test pins it to that form
+# =============================================================================
+
+# --- The head's loss (GPT.head_loss): HeadCrossEntropy replaces cross_entropy(GPT.logits(h)) in training;
+# test_head_loss.py checks its loss and gradients against autograd through the logits, in FP8 too.
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor scaled cast: (t / scale in `dtype`, fp32 scale), with t's largest magnitude at the format's max."""
+    scale = t.detach().abs().amax().float().clamp(min=1e-12) / FP8_MAX[dtype]
+    return (t.float() / scale).to(dtype), scale
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """FP8 tensor cores: CUDA compute capability 8.9 or newer (RTX 4090, H100; not A100 or RTX 3090).
+    torch._scaled_mm also runs on CPU, which keeps the path testable there."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu"
+
+
+def fp8_head_runs(h: torch.Tensor) -> bool:
+    """Whether the head's logits product over hidden states h (..., d) can run in FP8: the device has FP8
+    tensor cores (otherwise a notice says the head runs in bf16) and h's rows and width are multiples of 16
+    (torch._scaled_mm's rule; the vocabulary side is padded)."""
+    if not fp8_supported(h.device):
+        name = torch.cuda.get_device_name(h.device) if h.device.type == "cuda" else h.device.type
+        notice(f"fp8_head: {name} has no FP8 tensor cores (sm_89+); the head runs in bf16")
+        return False
+    return h[..., 0].numel() % 16 == 0 and h.size(-1) % 16 == 0
+
+
+class HeadCrossEntropy(torch.autograd.Function):
+    """The training loss of the head in one piece: mean cross-entropy of the (softcapped) logits
+    cap * tanh(h @ w.T / cap) over the targets that are not -1, with the gradient w.r.t. the logits
+    computed in the forward pass (kernels.softcap_cross_entropy: a Triton kernel on CUDA that reads the
+    logits once, inductor's fusion of the same math elsewhere). Autograd's version keeps the (N, vocab)
+    logits and passes over them three more times in the backward (log-softmax's, tanh's and the cast's
+    backward); here the backward is the two head products only. Products in `dtype` (bf16 under
+    autocast), the softmax in at least fp32. Shapes: h (N, d), w (V, d), targets (N,).
+
+    The products run on the vocabulary padded with zero rows to a multiple of 64, the padded columns
+    masked out of the softmax: GPT-2's 50,257 is odd, which leaves every row of the logits unaligned and
+    sends cuBLAS to slower kernels (nanoGPT pads the embedding itself; here the parameters stay NoCap's).
+
+    fp8: the logits' product in FP8 (torch._scaled_mm, h and w as e4m3 with per-tensor scales), the two
+    backward products in bf16: the weight's gradient in FP8 would need the (N, V) gradient transposed (FP8
+    tensor cores take K-major operands only; the copy alone takes longer than the product), and the hidden
+    states' gradient an e5m2 copy of it, which costs the loss kernel more than the product saves."""
+
+    @staticmethod
+    def forward(ctx, h, w, targets, cap: float, dtype: torch.dtype, fp8: bool = False):
+        V = w.size(0)
+        h_c, w_c = h.to(dtype), F.pad(w.to(dtype), (0, 0, 0, -V % 64))
+        if fp8:
+            (h8, h_scale), (w8, w_scale) = to_fp8(h_c, torch.float8_e4m3fn), to_fp8(w_c, torch.float8_e4m3fn)
+            logits = torch._scaled_mm(h8, w8.t(), scale_a=h_scale, scale_b=w_scale, out_dtype=dtype)
+        else:
+            logits = h_c @ w_c.t()
+        losses, grad = kernels.softcap_cross_entropy(logits, targets, V, cap)
+        count = (targets != -1).sum()
+        ctx.save_for_backward(h_c, w_c, grad, count)
+        ctx.dtypes, ctx.vocab = (h.dtype, w.dtype), V
+        return losses.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        h_c, w_c, grad, count = ctx.saved_tensors
+        # The mean's 1/count and the incoming scalar scale the two (N, d) and (V, d) products, not the
+        # (N, V) gradient.
+        scale = grad_loss / count
+        grad_h = (grad @ w_c) * scale
+        grad_w = (grad.t() @ h_c)[:ctx.vocab] * scale
+        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None
+
+
+def check_head_loss_kernel(device: torch.device):
+    """On CUDA the fused head loss wants its Triton kernel; without Triton (a torch build that does not bring
+    it) inductor's fusion of the same math runs instead, about 1.7x slower."""
+    if device.type == "cuda" and not kernels.triton_runs_on(device):
+        notice("fused_head_loss: Triton is not installed, so the head loss runs inductor's fusion of the same "
+               "math instead of the kernel (same result, slower); pip install triton")
+
+
+# --- The MoE's dispatch (MoE.forward): a grouped matmul over tokens sorted by expert, moved with permutation
+# gathers; test_mlp_moe.py checks it against the per-expert loop and one expert against the dense MLP.
+
+def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm can run here: CUDA kernels take bf16 only (fp32 inputs, which the fp32
+    evaluation pass would give, fail), the CPU one fp32/bf16, and a compiled graph (traced through the op's
+    shape function, which also insists on bf16) bf16 only."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device_type == "cuda" or torch.compiler.is_compiling():
+        return dtype == torch.bfloat16
+    return dtype in (torch.float32, torch.bfloat16)
+
+
+@torch.compiler.disable
+def experts_one_by_one(routed, counts, w_in, w_out, act: str) -> torch.Tensor:
+    """The per-expert loop over token blocks grouped by expert (where torch._grouped_mm cannot run: the
+    fp32 evaluation pass on CUDA). Its block sizes depend on the data, so it stays out of compiled graphs
+    (inductor fails on an expert with no tokens: "0 not in VR[32768, 32768]")."""
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        block = routed[start: start + n]
+        out.append(mlp_activation(block @ w_in[e], act) @ w_out[e])
+        start += n
+    return torch.cat(out)
+
+
+class PermuteRows(torch.autograd.Function):
+    """x[order] for a permutation `order` whose inverse is given. Plain indexing's backward is a scatter-add
+    with atomics, since autograd cannot know the indices are distinct; a permutation's is the gather
+    grad[inverse]. The MoE moves every token through two of these per layer."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse):
+        ctx.save_for_backward(inverse, order)
+        return x[order]
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, order = ctx.saved_tensors
+        return PermuteRows.apply(grad, inverse, order), None, None
+
+def evaluation_compiles(config: GPTConfig, dtype: str) -> bool:
+    """Whether the evaluation pass in this precision traces as one graph. An MoE's does not in fp32: the
+    grouped matmul takes bf16 only, and the per-expert loop breaks the graph inside GPT.forward's loop over
+    the blocks, where dynamo gives up on the whole frame — for training's calls too, which from then on run
+    block by block (d12_moe then trains at three quarters of its speed). Such an evaluation runs eager."""
+    return not config.moe_block_indices or dtype == "bf16"
 
 
 # =============================================================================
@@ -1087,15 +1059,6 @@ def precision(device: torch.device, dtype: str):
     return torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
 
 
-def evaluation_compiles(config: GPTConfig, dtype: str) -> bool:
-    """Whether the evaluation pass in this precision traces as one graph. An MoE's does not in fp32: the
-    grouped matmul takes bf16 only, and the per-expert loop breaks the graph inside GPT.forward's loop over
-    the blocks, where dynamo gives up on the whole frame — for training's calls too, which from then on run
-    block by block (H100: d12_moe trained at 0.58x d12's tokens/s beside fp32 evaluation, 0.77x beside bf16;
-    docs/RESULTS.md). Such an evaluation runs the model eager."""
-    return not config.moe_block_indices or dtype == "bf16"
-
-
 @torch.no_grad()
 def evaluate(model: nn.Module, val: ValidationSet, world_size: int, dtype: str = "fp32") -> float:
     """Mean next-token cross-entropy (nats) over the validation tokens. NoCap scores in fp32 (no
@@ -1163,7 +1126,7 @@ class BatchedMuon(torch.optim.Muon):
     sqrt(max(1, rows/cols)) learning-rate scale), computed for all matrices of one shape at once.
     torch.optim.Muon orthogonalizes one matrix at a time, ~15 small matmuls each: for d12_fast's 48
     matrices that is ~1,000 kernel launches and 27.6 ms per optimizer step on an H100, with the GPU mostly
-    waiting on the host (docs/RESULTS.md). Stacked by shape, Newton-Schulz is 15 batched matmuls per
+    waiting on the host. Stacked by shape, Newton-Schulz is 15 batched matmuls per
     shape. The state (one momentum_buffer per parameter) and the checkpoints are torch.optim.Muon's."""
 
     @torch.no_grad()
@@ -1266,7 +1229,7 @@ def lr_scale(step: int, args) -> float:
 
 
 # =============================================================================
-# Measurement: FLOPs per token, MFU
+# Measurement: FLOPs per token, MFU, tokens/s
 # =============================================================================
 
 # Dense bf16 tensor-core peaks (datasheet, FLOP/s), matched against torch.cuda.get_device_name().
@@ -1294,6 +1257,36 @@ def flops_per_token(model: GPT, seq_len: int) -> float:
     c = model.config
     spans = (min(c.layer_window(layer) or seq_len, seq_len) for layer in range(c.n_layer))
     return 6 * model.matmul_params() + 12 * sum(spans) * c.n_embd
+
+
+class StepMeter:
+    """Throughput of the optimizer steps: tokens/s and MFU of each, peak memory, and the steady-state median
+    the summary reports (steps after the 10th: compile stragglers and allocator warm-up stay out)."""
+
+    def __init__(self, model: GPT, seq_len: int, env, tokens_per_step: int):
+        self.flops_token, self.peak = flops_per_token(model, seq_len), peak_flops(env.device)
+        self.device, self.world_size, self.tokens_per_step = env.device, env.world_size, tokens_per_step
+        self.step_seconds: list[float] = []  # this process's steps (a resumed run counts from the resume)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def mfu(self, tokens_per_s: float | None) -> float | None:
+        if not self.peak or not tokens_per_s:
+            return None  # a GPU without a known peak: n/a, never a guess
+        return self.flops_token * tokens_per_s / (self.peak * self.world_size)
+
+    def step(self, seconds: float) -> tuple[float, float | None]:
+        """Record one step's time; its tokens/s and MFU."""
+        self.step_seconds.append(seconds)
+        tokens_per_s = self.tokens_per_step / seconds
+        return tokens_per_s, self.mfu(tokens_per_s)
+
+    def peak_mem_mib(self) -> float | None:
+        return torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
+
+    def steady_tokens_per_s(self) -> float | None:
+        steady = self.step_seconds[10:] if len(self.step_seconds) > 10 else self.step_seconds
+        return self.tokens_per_step / statistics.median(steady) if steady else None
 
 
 # =============================================================================
@@ -1446,7 +1439,7 @@ def format_summary(summary: dict) -> str:
 
 
 # =============================================================================
-# Training
+# Training: the run built once, the optimizer step, the loop
 # =============================================================================
 
 @dataclass
@@ -1481,28 +1474,151 @@ def pick_device(flag: str, index: int = 0) -> torch.device:
     return torch.device(f"cuda:{index}" if use_cuda else "cpu")
 
 
-def train_step(model, optimizer: Optimizers, loader: TokenLoader, accumulation: int, lr_scale: float, autocast_ctx,
-               world_size: int) -> tuple[torch.Tensor, dict]:
-    """One optimizer step over `accumulation` micro-batches. Returns the mean next-token loss (a device
-    tensor) and the mean of each auxiliary term the model reports (MTP losses, MoE balance and load)."""
-    step_loss = torch.zeros((), device=loader.device)
+def check_device_fit(args, config: GPTConfig, env: Distributed):
+    """Flags that depend on the device: the flash kernel's GPU generation, the memory cap, block_size."""
+    if config.attn_impl == "flash" and env.device.type == "cuda" and torch.cuda.get_device_capability(env.device) < (8, 0):
+        raise InputError("--attn_impl flash: this GPU has no flash-attention kernel (it needs sm80+, Ampere or "
+                         "newer); use --attn_impl sdpa")
+    if args.memory_cap_gib is not None:
+        if env.device.type != "cuda":
+            raise InputError("--memory_cap_gib limits GPU memory; drop it on CPU")
+        total = torch.cuda.get_device_properties(env.device).total_memory
+        if not 0 < args.memory_cap_gib * 2**30 <= total:
+            raise InputError(f"--memory_cap_gib {args.memory_cap_gib} must be between 0 and this GPU's "
+                             f"{total / 2**30:.1f} GiB")
+    if args.sequence_length > config.block_size:
+        raise InputError(f"--sequence_length {args.sequence_length} exceeds the model's block_size "
+                         f"{config.block_size}; pass --block_size {args.sequence_length} (or more)")
+
+
+def cap_gpu_memory(args, env: Distributed):
+    """--memory_cap_gib: this process may use at most that much of the GPU (a 24 GB card's share, say)."""
+    if args.memory_cap_gib is not None:
+        total = torch.cuda.get_device_properties(env.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / total, env.device)
+
+
+@dataclass
+class Run:
+    """A training run as the loop sees it: built once by setup_run, advanced by train_step, written out by
+    save_checkpoint and the summary."""
+    args: argparse.Namespace
+    env: Distributed
+    config: GPTConfig
+    run_dir: str
+    raw_model: GPT  # the parameters: what checkpoints hold
+    model: nn.Module  # what trains: raw_model compiled and/or wrapped in DDP
+    eval_model: nn.Module  # what evaluates: model, or raw_model where the evaluation cannot compile
+    optimizer: Optimizers
+    train_loader: TokenLoader
+    val: ValidationSet
+    log: RunLog
+    autocast_ctx: contextlib.AbstractContextManager  # training's precision: bf16 autocast on CUDA
+    accumulation: int  # micro-batches per optimizer step on this process
+    layout: dict  # what a checkpoint must match to be resumed here
+    compiled: bool
+    start_step: int = 0
+    train_time_s: float = 0.0  # optimizer steps only, carried over a resume
+    evaluated_at_start: bool = False  # the checkpoint resumed from was taken right after an evaluation
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.args.batch_size * self.args.sequence_length * self.accumulation * self.env.world_size
+
+
+def setup_run(args) -> Run:
+    """Check the flags, set up the device and processes, build data, model and optimizer, resume from a
+    checkpoint if asked, open the logs and compile. Bad input raises InputError before anything is written."""
+    check_run_flags(args)
+    config = resolve_model_config(args)
+    env = setup_distributed(args.device)
+    accumulation = resolve_grad_accumulation(args, env.world_size)
+    B, T = args.batch_size, args.sequence_length
+    check_device_fit(args, config, env)
+    cap_gpu_memory(args, env)
+    run_dir = resolve_run_dir(args)
+    ckpt_path = resolve_checkpoint_path(args, run_dir)
+    if env.world_size > 1:
+        dist.barrier()  # every rank has checked the run directory before rank 0 starts writing to it
+    train_loader = TokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
+    val = ValidationSet(args.input_val_bin, args.val_tokens, args.val_batch_size, T, env.rank, env.world_size,
+                        config.vocab_size, env.device)
+
+    torch.manual_seed(args.seed)
+    raw_model = GPT(config).to(env.device)
+    optimizer = make_optimizer(raw_model, args, env.device)
+    layout = dict(model_config=asdict(config), batch_size=B, sequence_length=T, world_size=env.world_size,
+                  grad_accumulation_steps=accumulation)
+    resumed = dict(start_step=0, train_time_s=0.0, evaluated_at_start=False)
+    if ckpt_path is not None:
+        ckpt = load_checkpoint(ckpt_path, layout)
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        torch.set_rng_state(ckpt["rng_cpu"])
+        if env.device.type == "cuda" and ckpt["rng_cuda"] is not None:
+            torch.cuda.set_rng_state(ckpt["rng_cuda"], env.device)
+        train_loader.skip(ckpt["batches_drawn"])
+        resumed = dict(start_step=ckpt["step"], train_time_s=ckpt["train_time_s"], evaluated_at_start=ckpt["evaluated"])
+
+    wandb_run = None
+    if args.log_wandb and env.is_main:
+        try:
+            import wandb
+        except ImportError:
+            raise InputError("--log_wandb: wandb is not installed; pip install wandb, or drop the flag") from None
+        wandb_run = wandb.init(project="gpt2-speedrun", name=os.path.basename(run_dir), config=vars(args))
+    log = RunLog(run_dir if env.is_main else None, resumed["start_step"] if ckpt_path else None, wandb_run)
+
+    compiled = env.device.type == "cuda" if args.compile is None else args.compile
+    if compiled:
+        import torch._inductor.config as inductor_config
+        inductor_config.coordinate_descent_tuning = args.coordinate_descent_tuning
+    model = torch.compile(raw_model) if compiled else raw_model
+    if env.world_size > 1:
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    eval_model = model if evaluation_compiles(config, args.val_dtype) else raw_model
+    # NoCap: bf16 autocast on CUDA; CPU runs stay in fp32 so tests are exact.
+    autocast_ctx = precision(env.device, "bf16" if env.device.type == "cuda" else "fp32")
+    run = Run(args, env, config, run_dir, raw_model, model, eval_model, optimizer, train_loader, val, log,
+              autocast_ctx, accumulation, layout, compiled, **resumed)
+
+    log.write_json("config.json", dict(
+        args=vars(args), model_config=asdict(config), run_dir=run_dir, git_sha=git_sha(),
+        torch_version=torch.__version__, cuda_version=torch.version.cuda,
+        triton_version=kernels.triton.__version__ if kernels.triton is not None else None,
+        device=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",
+        world_size=env.world_size, grad_accumulation_steps_per_process=accumulation,
+        tokens_per_step=run.tokens_per_step, num_params=raw_model.num_params(),
+        active_params=raw_model.active_params(), resumed_from=ckpt_path, compile=compiled))
+    log.print(f"model {args.model}: {raw_model.num_params():,} parameters | {run.tokens_per_step:,} tokens/step "
+              f"({B}x{T} x {accumulation} accumulation x {env.world_size} processes) | train data "
+              f"{train_loader.total_tokens:,} tokens in {len(train_loader.files)} shards | run dir {run_dir}")
+    return run
+
+
+def train_step(run: Run, scale: float) -> tuple[torch.Tensor, dict]:
+    """One optimizer step over the run's micro-batches at `scale` × each group's peak learning rate.
+    Returns the mean next-token loss (a device tensor) and the mean of each auxiliary term the model reports
+    (MTP losses, MoE balance and load)."""
+    step_loss = torch.zeros((), device=run.env.device)
     aux_means: dict[str, torch.Tensor] = {}
-    for micro_step in range(accumulation):
-        x, y = loader.next_batch()
+    for micro_step in range(run.accumulation):
+        x, y = run.train_loader.next_batch()
         # DDP all-reduces gradients only on the last micro-batch.
-        last = micro_step == accumulation - 1
-        sync = contextlib.nullcontext() if world_size == 1 or last else model.no_sync()
+        last = micro_step == run.accumulation - 1
+        sync = contextlib.nullcontext() if run.env.world_size == 1 or last else run.model.no_sync()
         with sync:
-            with autocast_ctx:
-                _, objective, aux = model(x, y, return_logits=False)
-            (objective / accumulation).backward()
-        step_loss += aux.pop("next_token_loss") / accumulation
+            with run.autocast_ctx:
+                _, objective, aux = run.model(x, y, return_logits=False)
+            (objective / run.accumulation).backward()
+        step_loss += aux.pop("next_token_loss") / run.accumulation
         for name, value in aux.items():
-            aux_means[name] = aux_means.get(name, 0) + value.float() / accumulation
-    optimizer.set_lr_scale(lr_scale)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if world_size > 1:
+            aux_means[name] = aux_means.get(name, 0) + value.float() / run.accumulation
+    run.optimizer.set_lr_scale(scale)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.env.world_size > 1:
         for value in (step_loss, *aux_means.values()):
             dist.all_reduce(value, op=dist.ReduceOp.AVG)
     return step_loss, aux_means
@@ -1526,37 +1642,53 @@ def graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
-def warm_up_compile(model, raw_model, eval_model, optimizer, loader, val, accumulation, args, autocast_ctx,
-                    env) -> float:
+def warm_up_compile(run: Run) -> float:
     """Run a few real training steps and one evaluation so torch.compile builds every graph on the real
     shapes, then put model, optimizer and data back exactly as they were. Returns the seconds spent."""
-    synchronize(env.device)
+    loader = run.train_loader
+    synchronize(run.env.device)
     t0 = time.perf_counter()
-    model_state = copy.deepcopy(raw_model.state_dict())
-    optimizer_state = copy.deepcopy(optimizer.state_dict())
-    batches_drawn = loader.batches_drawn
-    shard, position = loader.shard, loader.position
+    model_state = copy.deepcopy(run.raw_model.state_dict())
+    optimizer_state = copy.deepcopy(run.optimizer.state_dict())
+    batches_drawn, shard, position = loader.batches_drawn, loader.shard, loader.position
     breaks_before = graph_breaks()
     try:
         for _ in range(3):
-            train_step(model, optimizer, loader, accumulation, 1.0, autocast_ctx, env.world_size)
+            train_step(run, 1.0)
     except torch.OutOfMemoryError:  # the first place a micro-batch too large for the GPU shows
         raise out_of_memory("in the compile warm-up's training steps", loader.B, loader.T) from None
     breaks = graph_breaks() - breaks_before
     if breaks:  # what a new flag most easily costs: a separately compiled piece and a host round trip each
         notice(f"torch.compile split the training step at {breaks} graph break(s); TORCH_LOGS=graph_breaks "
                f"names them")
-    eval_model.eval()
-    with torch.no_grad(), precision(env.device, args.val_dtype):  # the evaluation graph, in its precision
-        x, y = next(iter(val))
-        eval_model(x, y, return_logits=False)
-    eval_model.train()
-    raw_model.load_state_dict(model_state)
-    optimizer.load_state_dict(optimizer_state)
+    run.eval_model.eval()
+    with torch.no_grad(), precision(run.env.device, run.args.val_dtype):  # the evaluation graph, in its precision
+        x, y = next(iter(run.val))
+        run.eval_model(x, y, return_logits=False)
+    run.eval_model.train()
+    run.raw_model.load_state_dict(model_state)
+    run.optimizer.load_state_dict(optimizer_state)
     loader._set_position(shard, position)
     loader.batches_drawn = batches_drawn
-    synchronize(env.device)
+    synchronize(run.env.device)
     return time.perf_counter() - t0
+
+
+def save_checkpoint(run: Run, step: int, evaluated: bool):
+    """The run's state after `step` steps as ckpt_<step>.pt (atomically), keeping only the newest: a d12
+    checkpoint is ~1.5 GB. Rank 0 writes; the other ranks hold the same state."""
+    if not run.env.is_main:
+        return
+    path = os.path.join(run.run_dir, f"ckpt_{step:06d}.pt")
+    device = run.env.device
+    atomic_torch_save(dict(
+        format=CHECKPOINT_FORMAT, model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
+        step=step, batches_drawn=run.train_loader.batches_drawn, train_time_s=run.train_time_s, evaluated=evaluated,
+        rng_cpu=torch.get_rng_state(), rng_cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        **run.layout), path)
+    for older in list_checkpoints(run.run_dir):
+        if older != path:
+            os.remove(older)
 
 
 class StopSignal:
@@ -1587,165 +1719,94 @@ class StopSignal:
         return int(flag.item())
 
 
-def check_device_fit(args, config: GPTConfig, env: Distributed):
-    """Flags that depend on the device: the flash kernel's GPU generation, the memory cap, block_size."""
-    if config.attn_impl == "flash" and env.device.type == "cuda" and torch.cuda.get_device_capability(env.device) < (8, 0):
-        raise InputError("--attn_impl flash: this GPU has no flash-attention kernel (it needs sm80+, Ampere or "
-                         "newer); use --attn_impl sdpa")
-    if args.memory_cap_gib is not None:
-        if env.device.type != "cuda":
-            raise InputError("--memory_cap_gib limits GPU memory; drop it on CPU")
-        total = torch.cuda.get_device_properties(env.device).total_memory
-        if not 0 < args.memory_cap_gib * 2**30 <= total:
-            raise InputError(f"--memory_cap_gib {args.memory_cap_gib} must be between 0 and this GPU's "
-                             f"{total / 2**30:.1f} GiB")
-        torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / total, env.device)
-    if args.sequence_length > config.block_size:
-        raise InputError(f"--sequence_length {args.sequence_length} exceeds the model's block_size "
-                         f"{config.block_size}; pass --block_size {args.sequence_length} (or more)")
+def evaluate_and_record(run: Run, step: int) -> tuple[float, float]:
+    """NoCap's evaluation of the model after `step` steps, written to metrics.jsonl: (val loss, seconds)."""
+    t0 = time.perf_counter()
+    val_loss = evaluate(run.eval_model, run.val, run.env.world_size, run.args.val_dtype)
+    eval_s = time.perf_counter() - t0
+    run.log.record(step=step, tokens=step * run.tokens_per_step, val_loss=val_loss, train_time_s=run.train_time_s,
+                   eval_s=eval_s)
+    return val_loss, eval_s
+
+
+def timed_step(run: Run, step: int) -> tuple[float, torch.Tensor, dict, float]:
+    """Optimizer step number step + 1 at the schedule's learning rate and momentum, timed between two device
+    synchronizations: (seconds, mean loss, auxiliary terms, the logged learning rate)."""
+    args = run.args
+    scale = lr_scale(step, args)
+    if args.optimizer == "muon":
+        run.optimizer.set_momentum(muon_momentum_at(step, args))
+    synchronize(run.env.device)
+    t0 = time.perf_counter()
+    try:
+        step_loss, aux = train_step(run, scale)
+    except torch.OutOfMemoryError:
+        raise out_of_memory(f"in step {step + 1}", args.batch_size, args.sequence_length) from None
+    synchronize(run.env.device)
+    step_s = time.perf_counter() - t0
+    run.train_time_s += step_s
+    return step_s, step_loss, aux, args.learning_rate * scale  # logged: the AdamW peak times the schedule
+
+
+def overtime_after(args, val_loss: float, emit) -> int:
+    """The schedule ended at val_loss, above the target: say so, and return how many more steps may train
+    (--overtime_steps; 0 without it)."""
+    ended = (f"the schedule's {args.num_iterations} steps ended at val loss {val_loss:.4f}, above the target "
+             f"{args.target_val_loss}")
+    if not overtime_applies(args):
+        emit(f"notice: {ended}; --overtime_steps N would train on until it is reached")
+        return 0
+    emit(f"notice: {ended}; training on at the final learning rate for up to {args.overtime_steps} more steps, "
+         f"evaluating every {args.val_loss_every}")
+    return args.overtime_steps
 
 
 def train(args) -> int:
+    """Train until the target, the end of the schedule (and its overtime), a signal or divergence; returns
+    the exit code. Each turn of the loop: evaluate when due (stop at the target), checkpoint when due, step."""
     wall_start = time.perf_counter()
-    check_run_flags(args)
-    config = resolve_model_config(args)
-    env = setup_distributed(args.device)
-    accumulation = resolve_grad_accumulation(args, env.world_size)
-    B, T = args.batch_size, args.sequence_length
-    check_device_fit(args, config, env)
-    tokens_per_step = B * T * accumulation * env.world_size
-
-    run_dir = resolve_run_dir(args)
-    ckpt_path = resolve_checkpoint_path(args, run_dir)
-    if env.world_size > 1:
-        dist.barrier()  # every rank has checked the run directory before rank 0 starts writing to it
-    train_loader = TokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
-    val = ValidationSet(args.input_val_bin, args.val_tokens, args.val_batch_size, T, env.rank, env.world_size,
-                        config.vocab_size, env.device)
-
-    torch.manual_seed(args.seed)
-    raw_model = GPT(config).to(env.device)
-    optimizer = make_optimizer(raw_model, args, env.device)
-    layout = dict(model_config=asdict(config), batch_size=B, sequence_length=T, world_size=env.world_size,
-                  grad_accumulation_steps=accumulation)
-
-    start_step, train_time_s, evaluated_at_start = 0, 0.0, False
-    if ckpt_path is not None:
-        ckpt = load_checkpoint(ckpt_path, layout)
-        raw_model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        torch.set_rng_state(ckpt["rng_cpu"])
-        if env.device.type == "cuda" and ckpt["rng_cuda"] is not None:
-            torch.cuda.set_rng_state(ckpt["rng_cuda"], env.device)
-        train_loader.skip(ckpt["batches_drawn"])
-        start_step, train_time_s = ckpt["step"], ckpt["train_time_s"]
-        evaluated_at_start = ckpt["evaluated"]
-
-    wandb_run = None
-    if args.log_wandb and env.is_main:
-        try:
-            import wandb
-        except ImportError:
-            raise InputError("--log_wandb: wandb is not installed; pip install wandb, or drop the flag") from None
-        wandb_run = wandb.init(project="gpt2-speedrun", name=os.path.basename(run_dir), config=vars(args))
-    log = RunLog(run_dir if env.is_main else None, start_step if ckpt_path else None, wandb_run)
-
-    use_compile = env.device.type == "cuda" if args.compile is None else args.compile
-    if use_compile:
-        import torch._inductor.config as inductor_config
-        inductor_config.coordinate_descent_tuning = args.coordinate_descent_tuning
-    model = torch.compile(raw_model) if use_compile else raw_model
-    if env.world_size > 1:
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
-    eval_model = model if evaluation_compiles(config, args.val_dtype) else raw_model
-    # NoCap: bf16 autocast on CUDA; CPU runs stay in fp32 so tests are exact.
-    autocast_ctx = precision(env.device, "bf16" if env.device.type == "cuda" else "fp32")
-
-    log.write_json("config.json", dict(
-        args=vars(args), model_config=asdict(config), run_dir=run_dir, git_sha=git_sha(),
-        torch_version=torch.__version__, cuda_version=torch.version.cuda,
-        triton_version=kernels.triton.__version__ if kernels.triton is not None else None,
-        device=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",
-        world_size=env.world_size, grad_accumulation_steps_per_process=accumulation,
-        tokens_per_step=tokens_per_step, num_params=raw_model.num_params(), active_params=raw_model.active_params(),
-        resumed_from=ckpt_path, compile=use_compile))
-    log.print(f"model {args.model}: {raw_model.num_params():,} parameters | {tokens_per_step:,} tokens/step "
-              f"({B}x{T} x {accumulation} accumulation x {env.world_size} processes) | train data "
-              f"{train_loader.total_tokens:,} tokens in {len(train_loader.files)} shards | run dir {run_dir}")
-
+    run = setup_run(args)
+    env, log = run.env, run.log
     compile_s = 0.0
-    if use_compile:
+    if run.compiled:
         log.print("compiling (warm-up steps on real batches, then state is restored)...")
-        compile_s = warm_up_compile(model, raw_model, eval_model, optimizer, train_loader, val, accumulation,
-                                    args, autocast_ctx, env)
+        compile_s = warm_up_compile(run)
         log.print(f"compile warm-up: {compile_s:.1f}s")
-
-    flops_token, peak = flops_per_token(raw_model, T), peak_flops(env.device)
-    if env.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(env.device)
-    step_seconds: list[float] = []  # this session's steps, for the steady-state median
+    meter = StepMeter(run.raw_model, args.sequence_length, env, run.tokens_per_step)
     eval_time_s, final_val_loss, status = 0.0, None, "completed"
     # A schedule that ends above the target trains on for up to --overtime_steps more steps; a run resumed
     # past its schedule's end is in that overtime (a run that had reached the target would have finished).
     scheduled_end = args.num_iterations
-    final_step = scheduled_end + (args.overtime_steps if overtime_applies(args) and start_step >= scheduled_end else 0)
+    in_overtime = overtime_applies(args) and run.start_step >= scheduled_end
+    final_step = scheduled_end + (args.overtime_steps if in_overtime else 0)
     progress = None
     if env.is_main and sys.stdout.isatty():
         from tqdm import tqdm
-        progress = tqdm(total=final_step, initial=start_step, unit="step", dynamic_ncols=True)
+        progress = tqdm(total=final_step, initial=run.start_step, unit="step", dynamic_ncols=True)
     emit = progress.write if progress is not None else log.print
 
-    def checkpoint(step: int, evaluated: bool):
-        if not env.is_main:
-            return
-        path = os.path.join(run_dir, f"ckpt_{step:06d}.pt")
-        atomic_torch_save(dict(
-            format=CHECKPOINT_FORMAT, model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
-            step=step, batches_drawn=train_loader.batches_drawn, train_time_s=train_time_s, evaluated=evaluated,
-            rng_cpu=torch.get_rng_state(),
-            rng_cuda=torch.cuda.get_rng_state(env.device) if env.device.type == "cuda" else None,
-            **layout), path)
-        for older in list_checkpoints(run_dir):  # keep only the newest: a d12 checkpoint is ~1.5 GB
-            if older != path:
-                os.remove(older)
-
-    step = start_step
+    step = run.start_step
     with StopSignal() as stop:
         while True:
-            signum = stop.requested(env)
-            if signum:
+            if signum := stop.requested(env):
                 status = "interrupted"
                 emit(f"received signal {signum}: checkpointing at step {step} and stopping")
-                checkpoint(step, evaluated=False)
+                save_checkpoint(run, step, evaluated=False)
                 break
-            last_step = step == final_step
-            evaluated = False
-            periodic = args.val_loss_every > 0 and step % args.val_loss_every == 0
-            eval_due = last_step or step == scheduled_end or periodic
-            if eval_due and not (step == start_step and evaluated_at_start):
-                t0 = time.perf_counter()
-                final_val_loss = evaluate(eval_model, val, env.world_size, args.val_dtype)
-                eval_s = time.perf_counter() - t0
-                eval_time_s += eval_s
-                evaluated = True
-                log.record(step=step, tokens=step * tokens_per_step, val_loss=final_val_loss,
-                           train_time_s=train_time_s, eval_s=eval_s)
-                emit(f"step:{step}/{final_step} | val loss {final_val_loss:.6f} | train_time {train_time_s:.1f}s")
+            last_step, evaluated = step == final_step, False
+            due = last_step or step == scheduled_end or (args.val_loss_every > 0 and step % args.val_loss_every == 0)
+            if due and not (step == run.start_step and run.evaluated_at_start):
+                final_val_loss, eval_s = evaluate_and_record(run, step)
+                eval_time_s, evaluated = eval_time_s + eval_s, True
+                emit(f"step:{step}/{final_step} | val loss {final_val_loss:.6f} | train_time {run.train_time_s:.1f}s")
                 if 0 < args.target_val_loss and final_val_loss <= args.target_val_loss:
                     status = "reached_target"
                     break
-                if step == scheduled_end and args.target_val_loss > 0:
-                    ended = (f"the schedule's {scheduled_end} steps ended at val loss {final_val_loss:.4f}, above "
-                             f"the target {args.target_val_loss}")
-                    if overtime_applies(args):
-                        final_step, last_step = scheduled_end + args.overtime_steps, False
-                        emit(f"notice: {ended}; training on at the final learning rate for up to "
-                             f"{args.overtime_steps} more steps, evaluating every {args.val_loss_every}")
-                        if progress is not None:
-                            progress.total = final_step
-                    else:
-                        emit(f"notice: {ended}; --overtime_steps N would train on until it is reached")
+                if step == scheduled_end and args.target_val_loss > 0:  # the schedule ended above the target
+                    final_step = scheduled_end + overtime_after(args, final_val_loss, emit)
+                    last_step = step == final_step
+                    if progress is not None:
+                        progress.total = final_step
             if last_step:
                 if args.target_val_loss > 0:
                     status = "missed_target"
@@ -1753,41 +1814,23 @@ def train(args) -> int:
                         emit(f"notice: {step - scheduled_end} overtime steps ended at val loss {final_val_loss:.4f}, "
                              f"still above the target {args.target_val_loss}")
                 break
-            if args.save_every and step > start_step and step % args.save_every == 0:
-                checkpoint(step, evaluated)
+            if args.save_every and step > run.start_step and step % args.save_every == 0:
+                save_checkpoint(run, step, evaluated)
 
-            scale = lr_scale(step, args)
-            lr = args.learning_rate * scale  # logged: the AdamW peak times the schedule
-            if args.optimizer == "muon":
-                optimizer.set_momentum(muon_momentum_at(step, args))
-            synchronize(env.device)
-            t0 = time.perf_counter()
-            try:
-                step_loss, aux = train_step(model, optimizer, train_loader, accumulation, scale, autocast_ctx,
-                                            env.world_size)
-            except torch.OutOfMemoryError:
-                raise out_of_memory(f"in step {step + 1}", B, T) from None
-            synchronize(env.device)
-            step_s = time.perf_counter() - t0
-            train_time_s += step_s
-            step_seconds.append(step_s)
+            step_s, step_loss, aux, lr = timed_step(run, step)
             step += 1
-
-            tokens_per_s = tokens_per_step / step_s
-            mfu = flops_token * tokens_per_s / (peak * env.world_size) if peak else None
-            peak_mem = torch.cuda.max_memory_allocated(env.device) / 2**20 if env.device.type == "cuda" else None
+            tokens_per_s, mfu = meter.step(step_s)
             train_loss = step_loss.item()
-            log.record(step=step, tokens=step * tokens_per_step, train_loss=train_loss, lr=lr,
-                       step_ms=1000 * step_s, tokens_per_s=tokens_per_s, mfu=mfu, train_time_s=train_time_s,
-                       peak_mem_mib=peak_mem, **{name: value.tolist() for name, value in aux.items()})
-            line = (f"step:{step}/{final_step} | loss {train_loss:.6f} | lr {lr:.3e} | "
-                    f"{1000 * step_s:.1f}ms | {tokens_per_s:,.0f} tok/s"
-                    + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") + f" | train_time {train_time_s:.1f}s")
+            log.record(step=step, tokens=step * run.tokens_per_step, train_loss=train_loss, lr=lr,
+                       step_ms=1000 * step_s, tokens_per_s=tokens_per_s, mfu=mfu, train_time_s=run.train_time_s,
+                       peak_mem_mib=meter.peak_mem_mib(), **{name: value.tolist() for name, value in aux.items()})
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
             else:
-                emit(line)
+                emit(f"step:{step}/{final_step} | loss {train_loss:.6f} | lr {lr:.3e} | {1000 * step_s:.1f}ms | "
+                     f"{tokens_per_s:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
+                     + f" | train_time {run.train_time_s:.1f}s")
             if not math.isfinite(train_loss):  # all ranks see the same all-reduced loss, so all stop here
                 status = "diverged"
                 if env.is_main:
@@ -1796,35 +1839,34 @@ def train(args) -> int:
                           "(or --muon_lr) and start again or --resume from it", file=sys.stderr, flush=True)
                 break
         if status not in ("interrupted", "diverged"):
-            checkpoint(step, evaluated)
+            save_checkpoint(run, step, evaluated)
     if progress is not None:
         progress.close()
 
-    # Steady state: skip compile stragglers and allocator warm-up in the first ~10 steps.
-    steady = step_seconds[10:] if len(step_seconds) > 10 else step_seconds
-    tokens_per_s = tokens_per_step / statistics.median(steady) if steady else None
-    summary = dict(
+    tokens_per_s = meter.steady_tokens_per_s()
+    finish(run, dict(
         status=status, reached_target=status == "reached_target", target_val_loss=args.target_val_loss,
         final_val_loss=final_val_loss, steps=step, overtime_steps=max(0, step - scheduled_end),
-        tokens=step * tokens_per_step, train_time_s=train_time_s,
-        compile_s=compile_s, eval_time_s=eval_time_s, wall_time_s=time.perf_counter() - wall_start,
-        tokens_per_s=tokens_per_s,
-        mfu=flops_token * tokens_per_s / (peak * env.world_size) if peak and tokens_per_s else None,
-        peak_mem_mib=torch.cuda.max_memory_allocated(env.device) / 2**20 if env.device.type == "cuda" else None,
-        model=args.model, run_dir=run_dir)
-    log.write_json("summary.json", summary)
-    log.print(format_summary(summary))
-    log.close()
-    if env.world_size > 1:
+        tokens=step * run.tokens_per_step, train_time_s=run.train_time_s, compile_s=compile_s,
+        eval_time_s=eval_time_s, wall_time_s=time.perf_counter() - wall_start, tokens_per_s=tokens_per_s,
+        mfu=meter.mfu(tokens_per_s), peak_mem_mib=meter.peak_mem_mib(), model=args.model, run_dir=run.run_dir))
+    if status == "diverged":
+        return 1
+    return 128 + stop.signum if status == "interrupted" else 0
+
+
+def finish(run: Run, summary: dict):
+    """Write the summary (summary.json and the closing block), then close the logs and the process group."""
+    run.log.write_json("summary.json", summary)
+    run.log.print(format_summary(summary))
+    run.log.close()
+    if run.env.world_size > 1:
         # Drop the DDP wrapper while the process group is still registered: if its reducer held the last
         # reference, the group would be destroyed under the GIL while a gloo worker thread waits for the
         # GIL to free a tensor — a teardown deadlock seen in ~1 of 5 two-process CPU runs. Every name
         # that holds the wrapper goes.
-        del model, eval_model
+        run.model = run.eval_model = None
         dist.destroy_process_group()
-    if status == "diverged":
-        return 1
-    return 128 + stop.signum if status == "interrupted" else 0
 
 
 def list_models() -> str:

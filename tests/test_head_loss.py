@@ -1,5 +1,5 @@
-"""The head and its loss: the fused head loss against autograd through the logits, FP8 products for the head
-and the block linears (training only, with a notice where there is no FP8), multi-token prediction."""
+"""The head and its loss: the fused head loss against autograd through the logits, its logits product in FP8
+(training only, with a notice where there is no FP8), multi-token prediction."""
 
 
 import pytest
@@ -7,59 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from model_variants import TINY, with_overrides
-from train_gpt2 import GPT, BlockLinear
+from train_gpt2 import GPT
 
 from conftest import cosine
-
-
-def assert_learns_and_compiles(model, idx):
-    """30 AdamW steps on one batch at least halve the loss, and the training graph compiles with the FP8
-    products inside it (autograd.Function + torch._scaled_mm) to the same loss."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(30):
-        loss = model(idx, idx.roll(-1, dims=1))[1]
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0]
-    compiled = torch.compile(model, backend="aot_eager")
-    torch.testing.assert_close(compiled(idx, idx)[1], model(idx, idx)[1])
-
-
-def test_fp8_matmul_tracks_the_exact_product_forward_and_backward():
-    from train_gpt2 import FP8Matmul
-    torch.manual_seed(0)
-    x = torch.randn(64, 32, requires_grad=True)
-    w = (0.05 * torch.randn(48, 32)).requires_grad_()
-    grad = torch.randn(64, 48)
-    y8 = FP8Matmul.apply(x, w)
-    (y8.float() * grad).sum().backward()
-    grads8 = x.grad.clone(), w.grad.clone()
-    x.grad = w.grad = None
-    (x @ w.t() * grad).sum().backward()
-    assert y8.dtype == torch.bfloat16 and grads8[0].dtype == x.dtype and grads8[1].dtype == w.dtype
-    # e4m3 keeps 3 mantissa bits: each product is off by a few percent, never in direction.
-    assert cosine(y8, x @ w.t()) > 0.995
-    assert cosine(grads8[0], x.grad) > 0.99 and cosine(grads8[1], w.grad) > 0.99
-    assert (y8.float() - x @ w.t()).norm() / (x @ w.t()).norm() < 0.08
-
-
-def test_fp8_head_pads_the_vocabulary_trains_and_leaves_evaluation_alone():
-    torch.manual_seed(0)
-    plain = GPT(with_overrides(TINY, vocab_size=50))  # 50 rows: padded to 64 for the product
-    fp8 = GPT(with_overrides(TINY, vocab_size=50, fp8_head=True))
-    fp8.load_state_dict(plain.state_dict())
-    idx = torch.randint(0, 50, (2, 8))
-    logits8, loss8, _ = fp8(idx, idx)
-    logits, loss, _ = plain(idx, idx)
-    assert logits8.shape == logits.shape == (2, 8, 50) and logits8.dtype == torch.bfloat16
-    assert cosine(logits8, logits) > 0.99 and abs(loss8.item() - loss.item()) < 0.05
-    fp8.eval(), plain.eval()
-    assert torch.equal(fp8(idx, idx)[0], plain(idx, idx)[0])  # evaluation is never FP8
-    fp8.train()
-    assert_learns_and_compiles(fp8, idx)
 
 
 def test_fp8_head_falls_back_with_a_notice_on_gpus_without_fp8(monkeypatch, capsys):
@@ -68,64 +18,20 @@ def test_fp8_head_falls_back_with_a_notice_on_gpus_without_fp8(monkeypatch, caps
     assert not train_gpt2.fp8_supported(torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert train_gpt2.fp8_supported(torch.device("cuda")) and train_gpt2.fp8_supported(torch.device("cpu"))
+    calls = []
+    apply = train_gpt2.HeadCrossEntropy.apply
+    monkeypatch.setattr(train_gpt2.HeadCrossEntropy, "apply", lambda *a: calls.append(a[-1]) or apply(*a))
     monkeypatch.setattr(train_gpt2, "fp8_supported", lambda device: False)
-    model = GPT(with_overrides(TINY, vocab_size=64, fp8_head=True))
+    model = GPT(with_overrides(TINY, vocab_size=64, fused_head_loss=True, fp8_head=True))
     idx = torch.randint(0, 64, (2, 8))
-    assert model(idx, idx)[0].dtype == torch.float32  # the plain head ran
+    model(idx, idx, return_logits=False)[1].backward()
+    assert calls == [False]  # the bf16 product ran
     assert "fp8_head: cpu has no FP8 tensor cores (sm_89+); the head runs in bf16" in capsys.readouterr().err
 
 
-def test_fp8_linears_take_every_block_product_in_fp8_in_training_only_and_track_the_plain_model(monkeypatch):
-    fp8_products = []
-    scaled_mm = torch._scaled_mm
-    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **kw: fp8_products.append((a.dtype, kw["out_dtype"])) or
-                        scaled_mm(a, b, **kw))
-    torch.manual_seed(0)
-    config = with_overrides(TINY, vocab_size=64, mlp_act="relu2", qk_norm=True)
-    plain, fp8 = GPT(config), GPT(with_overrides(config, fp8_linears=True))
-    fp8.load_state_dict(plain.state_dict())
-    idx = torch.randint(0, 64, (2, 16))
-    for model in (plain, fp8):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            model(idx, idx.roll(-1, dims=1), return_logits=False)[1].backward()
-    # 4 linear layers per block, 2 blocks: 8 forward products (e4m3, out in autocast's bf16), then 8 x 2
-    # backward ones (e5m2 gradients): the hidden states' gradient in bf16, the weight's in fp32.
-    assert fp8_products[:8] == [(torch.float8_e4m3fn, torch.bfloat16)] * 8
-    assert sorted(fp8_products[8:], key=str) == sorted([(torch.float8_e5m2, torch.bfloat16),
-                                                        (torch.float8_e5m2, torch.float32)] * 8, key=str)
-    for (name, p), q in zip(plain.named_parameters(), fp8.parameters()):
-        assert q.grad.dtype == p.dtype and cosine(q.grad, p.grad) > 0.98, name
-    # The head and the embedding are not block layers; evaluation and no-grad passes take no FP8 product.
-    assert isinstance(fp8.transformer.h[0].mlp.c_fc, BlockLinear) and not isinstance(fp8.lm_head, BlockLinear)
-    fp8.eval(), plain.eval()
-    fp8_products.clear()
-    assert torch.equal(fp8(idx, idx)[0], plain(idx, idx)[0]) and fp8_products == []
-    fp8.train()
-    with torch.no_grad():
-        fp8(idx, idx)
-    assert fp8_products == []
-
-
-def test_fp8_linears_train_compile_and_stay_muon_matrices():
-    from train_gpt2 import muon_params
-    torch.manual_seed(0)
-    model = GPT(with_overrides(TINY, vocab_size=64, fp8_linears=True))
-    assert len(muon_params(model)) == 4 * TINY.n_layer  # still the hidden matrices Muon orthogonalizes
-    idx = torch.randint(0, 64, (2, 16))
-    assert_learns_and_compiles(model, idx)
-
-
-def test_fp8_linears_fall_back_with_a_notice_on_gpus_without_fp8(monkeypatch, capsys):
-    import train_gpt2
-    monkeypatch.setattr(train_gpt2, "fp8_supported", lambda device: False)
-    torch.manual_seed(0)
-    plain = GPT(with_overrides(TINY, vocab_size=64))
-    fp8 = GPT(with_overrides(TINY, vocab_size=64, fp8_linears=True))
-    fp8.load_state_dict(plain.state_dict())
-    idx = torch.randint(0, 64, (2, 8))
-    assert torch.equal(fp8(idx, idx)[1], plain(idx, idx)[1])  # the plain products ran
-    assert ("fp8_linears: cpu has no FP8 tensor cores (sm_89+); the blocks' linear layers run in bf16"
-            in capsys.readouterr().err)
+def test_fp8_head_is_a_form_of_the_fused_head_loss():
+    with pytest.raises(ValueError, match="set fused_head_loss too"):
+        with_overrides(TINY, fp8_head=True)
 
 
 @pytest.mark.parametrize("cap", [0.0, 3.0])
