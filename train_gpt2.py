@@ -16,6 +16,8 @@ import argparse
 import contextlib
 import copy
 import glob
+import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -196,8 +198,16 @@ def check_run_flags(args):
     for name in ("warmup_iters", "warmdown_iters", "val_loss_every", "save_every", "overtime_steps"):
         if getattr(args, name) < 0:
             raise InputError(f"--{name} {getattr(args, name)} must be >= 0")
-    if args.warmdown_iters > args.num_iterations:
-        raise InputError(f"--warmdown_iters {args.warmdown_iters} exceeds --num_iterations {args.num_iterations}")
+    if args.warmup_iters + args.warmdown_iters > args.num_iterations:
+        raise InputError(f"--warmup_iters {args.warmup_iters} + --warmdown_iters {args.warmdown_iters} exceed "
+                         f"--num_iterations {args.num_iterations}; shorten them or train longer")
+    for name in ("learning_rate", "embed_lr", "scalar_lr", "muon_lr", "weight_decay"):
+        if getattr(args, name) is not None and not 0 <= getattr(args, name) < math.inf:
+            raise InputError(f"--{name} {getattr(args, name)} must be a finite number >= 0")
+    if not 0 <= args.muon_momentum < 1:
+        raise InputError(f"--muon_momentum {args.muon_momentum} must be in [0, 1)")
+    if args.log_wandb and importlib.util.find_spec("wandb") is None:  # on every rank, before any waits for others
+        raise InputError("--log_wandb: wandb is not installed; pip install wandb, or drop the flag")
     if overtime_applies(args) and args.lr_floor == 0:
         raise InputError(f"--overtime_steps {args.overtime_steps} trains at the schedule's final learning rate, "
                          "--lr_floor x the peak, which is 0; pass --lr_floor > 0 (e.g. 0.1) or --overtime_steps 0")
@@ -932,14 +942,19 @@ def read_shard_header(path: str) -> int:
     return n_tokens
 
 
-def load_shard(path: str, vocab_size: int, count: int = -1) -> np.ndarray:
-    """The shard's uint16 tokens (the first `count` only, if given), checked against the vocabulary."""
-    n_tokens = read_shard_header(path)
-    tokens = np.fromfile(path, dtype=np.uint16, offset=HEADER_BYTES, count=n_tokens if count < 0 else count)
+def check_token_range(path: str, tokens: np.ndarray, vocab_size: int):
+    """Every token id below vocab_size, or one error line naming the first one that is not."""
     if tokens.size and int(tokens.max()) >= vocab_size:
         bad = int(np.argmax(tokens >= vocab_size))
         raise InputError(f"{path}: token id {int(tokens[bad])} at position {bad:,} is >= vocab_size "
                          f"{vocab_size} — shard made with another tokenizer, or the wrong --vocab_size")
+
+
+def load_shard(path: str, vocab_size: int, count: int = -1) -> np.ndarray:
+    """The shard's uint16 tokens (the first `count` only, if given), checked against the vocabulary."""
+    n_tokens = read_shard_header(path)
+    tokens = np.fromfile(path, dtype=np.uint16, offset=HEADER_BYTES, count=n_tokens if count < 0 else count)
+    check_token_range(path, tokens, vocab_size)
     return tokens
 
 
@@ -980,6 +995,9 @@ class TokenLoader:
         self.vocab_size, self.device = vocab_size, device
         self.shard_tokens = [read_shard_header(f) for f in self.files]
         for path, n_tokens in zip(self.files, self.shard_tokens):
+            # Every shard's token range before step 0 (memory-mapped: read once, never held), so a bad shard
+            # late in the list stops the run now, not hours in.
+            check_token_range(path, np.memmap(path, np.uint16, "r", HEADER_BYTES, (n_tokens,)), vocab_size)
             if n_tokens < world_size * B * T + 1:
                 raise InputError(f"{path}: {n_tokens:,} tokens is fewer than one batch round "
                                  f"(world_size*B*T+1 = {world_size * B * T + 1:,}); lower --batch_size "
@@ -1304,10 +1322,36 @@ def atomic_write_text(path: str, text: str):
     os.replace(tmp, path)
 
 
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def atomic_torch_save(obj, path: str):
+    """torch.save to a temporary file, its SHA-256 into <path>.sha256, then the rename: a file at `path` is
+    always whole, and its checksum is there before it is."""
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(obj, tmp)
+    atomic_write_text(f"{path}.sha256", file_sha256(tmp) + "\n")
     os.replace(tmp, path)
+
+
+def remove_checkpoint(path: str):
+    for name in (path, f"{path}.sha256"):
+        if os.path.exists(name):
+            os.remove(name)
+
+
+def remove_unfinished_writes(run_dir: str):
+    """Temporary files an interrupted save left behind (a full checkpoint each): no later run reads them."""
+    stale = glob.glob(os.path.join(run_dir, "*.tmp[0-9]*"))
+    for path in stale:
+        os.remove(path)
+    if stale:
+        notice(f"{run_dir}: removed {len(stale)} unfinished file(s) an interrupted save left behind")
 
 
 def git_sha() -> str | None:
@@ -1359,37 +1403,76 @@ def resolve_checkpoint_path(args, run_dir: str) -> str | None:
     return args.resume
 
 
-def load_checkpoint(path: str, expected: dict) -> dict:
-    """Load a checkpoint (weights_only: no code from the file runs) and check it fits this run."""
+def load_checkpoint(path: str, expected: dict, flag: str = "--resume") -> dict:
+    """Load a checkpoint (weights_only: no code from the file runs) after checking it against its SHA-256,
+    and check it fits this run. `flag` names the flag that gave the path, for the error line."""
+    checksum = f"{path}.sha256"
+    if os.path.exists(checksum):
+        with open(checksum) as f:
+            if f.read().strip() != file_sha256(path):
+                raise InputError(f"{flag}: {path} does not match its checksum ({os.path.basename(checksum)}): the "
+                                 "file is damaged; use an earlier checkpoint or start the run again")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a torn or foreign file: say which file and stop
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise InputError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__}: {first_line})") from None
+        raise InputError(f"{flag}: {path} is not a readable checkpoint ({type(e).__name__}: {first_line})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise InputError(f"--resume: {path} is not a train_gpt2.py checkpoint (format {CHECKPOINT_FORMAT})")
+        raise InputError(f"{flag}: {path} is not a train_gpt2.py checkpoint (format {CHECKPOINT_FORMAT})")
     for key, want in expected.items():
         if ckpt[key] != want:
-            raise InputError(f"--resume: {path} was trained with {key}={ckpt[key]}, this run has {key}={want}; "
+            raise InputError(f"{flag}: {path} was trained with {key}={ckpt[key]}, this run has {key}={want}; "
                              "pass the same --model/overrides/batch flags, or start a new run")
+    if not os.path.exists(checksum):
+        notice(f"{path} has no checksum file (an older checkpoint, or a copy without it): loaded unchecked")
     return ckpt
 
 
-def model_from_checkpoint(path: str, device: torch.device) -> tuple[GPT, dict]:
+def model_from_checkpoint(path: str, device: torch.device, flag: str = "--checkpoint") -> tuple[GPT, dict]:
     """The model a checkpoint holds (any variant: its config travels with it), and the checkpoint."""
-    ckpt = load_checkpoint(path, expected={})
+    ckpt = load_checkpoint(path, expected={}, flag=flag)
     model = GPT(GPTConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     return model.to(device), ckpt
 
 
+def strict_json(obj):
+    """obj with every non-finite float as None: JSON has no NaN or Infinity, and strict readers (jq) reject them."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {key: strict_json(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(value) for value in obj]
+    return obj
+
+
+class Tee:
+    """A text stream that also appends what is written to it to a file (the run's log.txt)."""
+
+    def __init__(self, stream, file):
+        self.stream, self.file = stream, file
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        return self.stream.write(text)
+
+    def flush(self):
+        self.file.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name):  # isatty, encoding, fileno, ...: the terminal's
+        return getattr(self.stream, name)
+
+
 class RunLog:
-    """metrics.jsonl, config.json, summary.json and the printed log of the process with rank 0.
-    Other ranks get a RunLog that writes nothing, so call sites need no rank checks."""
+    """metrics.jsonl, config.json, summary.json, and log.txt: everything the process with rank 0 prints
+    (stdout and stderr) while the run is open. Other ranks get a RunLog that writes nothing, so call sites
+    need no rank checks."""
 
     def __init__(self, run_dir: str | None, resume_step: int | None, wandb_run=None):
         self.run_dir, self.wandb_run = run_dir, wandb_run
-        self.metrics = None
+        self.metrics = self.text = None
         if run_dir is None:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -1400,6 +1483,9 @@ class RunLog:
                 kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
             atomic_write_text(path, "".join(kept))
         self.metrics = open(path, "a")
+        self.text = open(os.path.join(run_dir, "log.txt"), "a")
+        self.terminal = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = Tee(sys.stdout, self.text), Tee(sys.stderr, self.text)
 
     def print(self, message: str):
         if self.run_dir is not None:
@@ -1407,20 +1493,26 @@ class RunLog:
 
     def record(self, **fields):
         if self.metrics is not None:
-            self.metrics.write(json.dumps(fields) + "\n")
+            self.metrics.write(json.dumps(strict_json(fields), allow_nan=False) + "\n")
             self.metrics.flush()
             if self.wandb_run is not None:
                 self.wandb_run.log({k: v for k, v in fields.items() if k != "step"}, step=fields["step"])
 
     def write_json(self, name: str, obj: dict):
         if self.run_dir is not None:
-            atomic_write_text(os.path.join(self.run_dir, name), json.dumps(obj, indent=2) + "\n")
+            text = json.dumps(strict_json(obj), indent=2, allow_nan=False)
+            atomic_write_text(os.path.join(self.run_dir, name), text + "\n")
 
     def close(self):
-        if self.metrics is not None:
+        """Close the files and give stdout and stderr back; closing twice is harmless."""
+        if self.text is not None:
+            sys.stdout, sys.stderr = self.terminal
+            self.text.close()
             self.metrics.close()
+            self.text = self.metrics = None
         if self.wandb_run is not None:
             self.wandb_run.finish()
+            self.wandb_run = None
 
 
 def format_summary(summary: dict) -> str:
@@ -1537,6 +1629,8 @@ def setup_run(args) -> Run:
     check_device_fit(args, config, env)
     cap_gpu_memory(args, env)
     run_dir = resolve_run_dir(args)
+    if env.is_main and os.path.isdir(run_dir):
+        remove_unfinished_writes(run_dir)
     ckpt_path = resolve_checkpoint_path(args, run_dir)
     if env.world_size > 1:
         dist.barrier()  # every rank has checked the run directory before rank 0 starts writing to it
@@ -1562,10 +1656,7 @@ def setup_run(args) -> Run:
 
     wandb_run = None
     if args.log_wandb and env.is_main:
-        try:
-            import wandb
-        except ImportError:
-            raise InputError("--log_wandb: wandb is not installed; pip install wandb, or drop the flag") from None
+        import wandb  # check_run_flags made sure it is there
         wandb_run = wandb.init(project="gpt2-speedrun", name=os.path.basename(run_dir), config=vars(args))
     log = RunLog(run_dir if env.is_main else None, resumed["start_step"] if ckpt_path else None, wandb_run)
 
@@ -1688,7 +1779,7 @@ def save_checkpoint(run: Run, step: int, evaluated: bool):
         **run.layout), path)
     for older in list_checkpoints(run.run_dir):
         if older != path:
-            os.remove(older)
+            remove_checkpoint(older)
 
 
 class StopSignal:
@@ -1763,10 +1854,18 @@ def overtime_after(args, val_loss: float, emit) -> int:
 
 def train(args) -> int:
     """Train until the target, the end of the schedule (and its overtime), a signal or divergence; returns
-    the exit code. Each turn of the loop: evaluate when due (stop at the target), checkpoint when due, step."""
+    the exit code."""
     wall_start = time.perf_counter()
     run = setup_run(args)
-    env, log = run.env, run.log
+    try:
+        return train_loop(run, wall_start)
+    finally:
+        run.log.close()  # also when an error ends the run: stdout and stderr are the terminal's again
+
+
+def train_loop(run: Run, wall_start: float) -> int:
+    """Each turn: evaluate when due (and stop at the target), checkpoint when due, one optimizer step."""
+    args, env, log = run.args, run.env, run.log
     compile_s = 0.0
     if run.compiled:
         log.print("compiling (warm-up steps on real batches, then state is restored)...")
@@ -1782,7 +1881,8 @@ def train(args) -> int:
     progress = None
     if env.is_main and sys.stdout.isatty():
         from tqdm import tqdm
-        progress = tqdm(total=final_step, initial=run.start_step, unit="step", dynamic_ncols=True)
+        progress = tqdm(total=final_step, initial=run.start_step, unit="step", dynamic_ncols=True,
+                        file=log.terminal[1])  # the bar's redraws stay out of log.txt
     emit = progress.write if progress is not None else log.print
 
     step = run.start_step
@@ -1895,7 +1995,8 @@ def report_input_errors(action) -> int:
     try:
         return action()
     except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank meets the same input: one line
+            print(f"error: {e}", file=sys.stderr)
         return 2
 
 

@@ -57,7 +57,7 @@ def load_run(run_dir: str) -> dict:
                     optional[name] = json.load(f)
             except json.JSONDecodeError:
                 raise LogError(f"{path}: not valid JSON; the file is corrupt") from None
-    evals = [r for r in records if "val_loss" in r]
+    evals = [r for r in records if r.get("val_loss") is not None]  # null: a non-finite loss (a diverged run)
     steps = [r for r in records if "train_loss" in r]
     if not evals:
         raise LogError(f"{run_dir}: metrics.jsonl has no evaluation yet")
@@ -102,17 +102,25 @@ def run_stats(run: dict, target: float) -> dict:
 
 
 def group_key(run: dict) -> str:
-    args = run["config"].get("args")
-    if not args:
+    """What a run trained, apart from its seed: every flag that changes it, and the number of processes."""
+    config = run["config"]
+    if not config.get("args"):
         return run["name"]  # no config.json: the run stands alone
-    return json.dumps({k: v for k, v in args.items() if k not in NOT_CONFIG}, sort_keys=True)
+    args = {k: v for k, v in config["args"].items() if k not in NOT_CONFIG}
+    return json.dumps(dict(args=args, world_size=config.get("world_size")), sort_keys=True)
 
 
 def group_runs(runs: list[dict]) -> list[list[dict]]:
+    """Runs that differ only in their seed form one group (one row, mean ± std); runs that share a seed
+    too are repeats, not seeds, and each gets its own row."""
     groups: dict[str, list[dict]] = {}
     for run in runs:
         groups.setdefault(group_key(run), []).append(run)
-    return list(groups.values())
+    rows = []
+    for group in groups.values():
+        seeds = [run["config"].get("args", {}).get("seed") for run in group]
+        rows.extend([group] if len(set(seeds)) == len(seeds) else [[run] for run in group])
+    return rows
 
 
 def mean_std(values: list) -> tuple[float | None, float | None, int]:
@@ -169,9 +177,9 @@ def plot(runs: list[dict], target: float, path: str):
     import matplotlib.pyplot as plt
     fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(12, 4.5))
     for run in runs:
-        evals = run["evals"][1:] or run["evals"]  # the step-0 loss (~10.9) would flatten the curves
-        by_time.plot([r["train_time_s"] for r in evals], [r["val_loss"] for r in evals], label=run["name"])
-        by_tokens.plot([r["tokens"] / 1e6 for r in evals], [r["val_loss"] for r in evals], label=run["name"])
+        evals = run["evals"]  # every evaluation, step 0 too; a marker on each, so a single one shows as a point
+        by_time.plot([r["train_time_s"] for r in evals], [r["val_loss"] for r in evals], ".-", label=run["name"])
+        by_tokens.plot([r["tokens"] / 1e6 for r in evals], [r["val_loss"] for r in evals], ".-", label=run["name"])
     for axis, xlabel in ((by_time, "training time (s)"), (by_tokens, "tokens (M)")):
         axis.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:.4f}")
         axis.set_xlabel(xlabel)

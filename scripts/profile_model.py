@@ -229,6 +229,8 @@ def main(argv=None) -> int:
             raise InputError("--steps must be >= 1, --warmup and --kernels >= 0")
         if args.compile and args.warmup < 1:
             raise InputError("--compile needs --warmup >= 1: the first step compiles, and must not be timed")
+        if args.trace and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
+            raise InputError(f"--trace {args.trace}: the folder {os.path.dirname(args.trace) or '.'} does not exist")
         device_type = pick_device(args.device).type
         part_ms, step_ms, kernels = profile(args)
         title = (f"{args.model}: {args.batch_size}x{args.sequence_length} tokens x {args.grad_accumulation_steps} "

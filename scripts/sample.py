@@ -18,6 +18,17 @@ from train_gpt2 import InputError, model_from_checkpoint, pick_device, report_in
 EOT = 50256
 
 
+def gpt2_encoder():
+    """tiktoken's GPT-2 encoding; tiktoken downloads its two files the first time, so offline without them
+    this is one error line."""
+    import tiktoken
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # noqa: BLE001 — reported with its cause, not hidden
+        raise InputError(f"the GPT-2 tokenizer's files could not be loaded ({type(e).__name__}); connect to the "
+                         "network once, or set TIKTOKEN_CACHE_DIR to a folder that holds them") from None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="a ckpt_*.pt written by train_gpt2.py")
@@ -32,10 +43,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     def sample() -> int:
-        import tiktoken
+        encoder = gpt2_encoder()
         device = pick_device(args.device)
         model, _ = model_from_checkpoint(args.checkpoint, device)
-        encoder = tiktoken.get_encoding("gpt2")
         prompt = [EOT] + encoder.encode_ordinary(args.prompt)
         if max(prompt) >= model.config.vocab_size:
             raise InputError(f"--prompt: token {max(prompt)} is outside this model's vocab_size "

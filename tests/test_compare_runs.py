@@ -97,11 +97,31 @@ def test_missing_or_damaged_files_give_one_error_line(tmp_path, capsys, damage, 
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
 
 
-def test_plot_is_written(tmp_path, capsys):
+def test_only_runs_that_differ_in_the_seed_alone_share_a_row(tmp_path, capsys):
+    a = write_run(tmp_path, "a", [(0, 0.0, 4.0), (10, 10.0, 3.0)])
+    twin = write_run(tmp_path, "twin", [(0, 0.0, 4.0), (10, 10.0, 3.1)])  # the same seed: a repeat, not a seed
+    two_procs = write_run(tmp_path, "two_procs", [(0, 0.0, 4.0), (10, 10.0, 3.2)], seed=1)
+    config = json.loads((tmp_path / "two_procs" / "config.json").read_text())
+    (tmp_path / "two_procs" / "config.json").write_text(json.dumps(dict(config, world_size=2)))
+    assert compare_runs.main([a, twin, two_procs]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [row.split()[0] for row in rows] == ["a", "twin", "two_procs"] and "seeds" not in "".join(rows)
+
+
+def test_plot_draws_every_evaluation_and_a_single_one_as_a_point(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib")
+    import matplotlib.axes
+    drawn = []
+    plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, x, y, *a, **kw: drawn.append((list(y), a)) or
+                        plot(self, x, y, *a, **kw))
     run = write_run(tmp_path, "r", [(0, 0.0, 4.0), (10, 10.0, 3.0)])
-    assert compare_runs.main([run, "--plot", str(tmp_path / "c.png")]) == 0
+    single = write_run(tmp_path, "single", [(0, 0.0, 4.0)], lr=2e-3)
+    assert compare_runs.main([run, single, "--plot", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    curves = [y for y, _ in drawn]
+    assert curves[:4] == [[4.0, 3.0], [4.0, 3.0], [4.0], [4.0]]  # step 0 included, the lone evaluation too
+    assert all("." in fmt[0] for _, fmt in drawn[:4])  # with a marker at every evaluation
 
 
 def test_reads_real_trainer_output(tmp_path, shards, capsys):

@@ -106,3 +106,9 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert profile_model.main(["--model", "tiny", "--device", "cpu", "--compile", "--warmup", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--compile needs --warmup >= 1" in err[0]
+
+
+def test_a_trace_into_a_missing_folder_is_refused_before_profiling(tmp_path, capsys):
+    assert profile_model.main(["--model", "tiny", "--device", "cpu", "--trace", str(tmp_path / "nope" / "t.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --trace {tmp_path / 'nope' / 't.json'}: the folder {tmp_path / 'nope'} does not exist"]

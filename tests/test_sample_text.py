@@ -65,3 +65,16 @@ def test_sample_script_prints_text(tmp_path, shards, capsys):
     assert out.count("--- sample") == 2 and out.splitlines()[1].startswith("Hello")
     assert sample.main(["--checkpoint", ckpt, "--max_new_tokens", "5000", "--device", "cpu"]) == 2
     assert "exceeds the model's block_size" in capsys.readouterr().err
+
+
+def test_sample_script_offline_without_the_tokenizer_files_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    tiktoken = pytest.importorskip("tiktoken")
+    import sample
+
+    def offline(name):
+        raise ConnectionError("Max retries exceeded with url: openaipublic.blob.core.windows.net")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    assert sample.main(["--checkpoint", str(tmp_path / "any.pt"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: the GPT-2 tokenizer's files could not be loaded (ConnectionError); connect to the network "
+                   "once, or set TIKTOKEN_CACHE_DIR to a folder that holds them"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, make_shards, read_metrics, tiny_run_args, train_losses
-from train_gpt2 import build_parser, format_summary, lr_scale, main, peak_flops
+from train_gpt2 import InputError, build_parser, format_summary, lr_scale, main, peak_flops
 
 
 def run(capsys, shards, out, name="run", *extra):
@@ -120,6 +120,26 @@ def test_resume_inside_overtime_continues_it(tmp_path, capsys, monkeypatch):
     assert min(resumed) == 11 and resumed == {step: straight[step] for step in resumed}  # bitwise on CPU
     summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("straight", "resumed")]
     assert summaries[0]["steps"] == summaries[1]["steps"] and summaries[1]["status"] == "reached_target"
+
+
+def test_the_run_directory_keeps_a_text_log_of_everything_printed(tmp_path, shards, capsys):
+    code, out, err = run(capsys, shards, tmp_path, "run", "--target_val_loss", "0.01")  # ends above it: a notice
+    assert code == 0
+    text = (tmp_path / "run" / "log.txt").read_text()
+    assert text.startswith("model tiny:") and "step:6/6 | loss" in text and text.rstrip().endswith(out.strip()[-40:])
+    assert "status:          missed_target" in text and "notice: the schedule's 6 steps ended" in text
+    print("after the run")  # stdout is the terminal's again
+    assert "after the run" not in (tmp_path / "run" / "log.txt").read_text()
+
+
+def test_metrics_and_summary_are_strict_json(tmp_path, shards, capsys):
+    def strict(text):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    run(capsys, shards, tmp_path, "run", "--learning_rate", "1e30")  # diverges: the loss is nan
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    records = [strict(line) for line in lines]
+    assert records[-1]["train_loss"] is None  # the nan step, as null
+    assert strict((tmp_path / "run" / "summary.json").read_text())["status"] == "diverged"
 
 
 def test_lr_schedule_is_nocaps():
@@ -341,7 +361,12 @@ def test_unknown_model_suggests_close_names(tmp_path, shards, capsys):
     (["--val_tokens", "100032"], "fewer than --val_tokens"),
     (["--total_batch_size", "100"], "not a multiple of batch_size*sequence_length"),
     (["--total_batch_size", "128", "--grad_accumulation_steps", "4"], "contradicts --total_batch_size"),
-    (["--warmdown_iters", "99"], "exceeds --num_iterations"),
+    (["--warmdown_iters", "99"], "exceed --num_iterations 6"),
+    (["--warmup_iters", "5", "--warmdown_iters", "2"], "--warmup_iters 5 + --warmdown_iters 2 exceed"),
+    (["--learning_rate", "-1"], "--learning_rate -1.0 must be a finite number >= 0"),
+    (["--weight_decay", "-1"], "--weight_decay -1.0 must be a finite number >= 0"),
+    (["--optimizer", "muon", "--muon_lr", "-0.02"], "--muon_lr -0.02 must be a finite number >= 0"),
+    (["--muon_momentum", "1.5"], "--muon_momentum 1.5 must be in [0, 1)"),
     (["--sequence_length", "2048"], "pass --block_size 2048"),
     (["--resume", "/nonexistent.pt"], "no such checkpoint"),
     (["--memory_cap_gib", "22"], "--memory_cap_gib limits GPU memory; drop it on CPU"),
@@ -359,6 +384,25 @@ def test_out_of_vocab_shard_is_reported(tmp_path, capsys):
     bad = make_shards(tmp_path / "d", vocab=300)
     argv = tiny_run_args(bad, tmp_path)
     assert "is >= vocab_size 256" in _error(capsys, argv)
+
+
+def test_a_bad_token_in_a_later_shard_stops_the_run_before_step_0(tmp_path, capsys):
+    import numpy as np
+    from train_gpt2 import write_shard
+    shards = make_shards(tmp_path / "d", n_train=3)
+    tokens = np.random.default_rng(0).integers(0, 256, 20_000)
+    tokens[12_345] = 300
+    write_shard(str(tmp_path / "d" / "syn_train_000003.bin"), tokens)
+    line = _error(capsys, tiny_run_args(shards, tmp_path))
+    assert line == (f"error: {tmp_path / 'd' / 'syn_train_000003.bin'}: token id 300 at position 12,345 is >= "
+                    "vocab_size 256 — shard made with another tokenizer, or the wrong --vocab_size")
+    assert not (tmp_path / "run").exists()  # nothing trained, nothing written
+
+
+def test_under_torchrun_an_input_error_is_printed_by_rank_0_only(tmp_path, shards, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    assert main(tiny_run_args(shards, tmp_path, "run", "--learning_rate", "-1")) == 2
+    assert capsys.readouterr().err == ""
 
 
 def test_finished_and_started_run_dirs_are_not_overwritten(tmp_path, shards, capsys):
@@ -380,6 +424,34 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path, shards, capsys):
     line = _error(capsys, tiny_run_args(shards, tmp_path, "b", "--n_layer", "3", "--resume",
                                         str(tmp_path / "elsewhere.pt")))
     assert "model_config" in line and "start a new run" in line
+
+
+def test_a_damaged_checkpoint_is_refused_by_its_checksum(tmp_path, shards, capsys):
+    assert main(tiny_run_args(shards, tmp_path, "a", "--num_iterations", "8", "--save_every", "4")) == 0
+    capsys.readouterr()
+    ckpt = next((tmp_path / "a").glob("ckpt_*.pt"))
+    assert (tmp_path / "a" / f"{ckpt.name}.sha256").exists()
+    data = bytearray(ckpt.read_bytes())
+    for i in range(1000, 1050):  # 50 flipped bytes inside the tensors: torch.load alone reads them fine
+        data[len(data) // 2 + i] ^= 0xFF
+    ckpt.write_bytes(bytes(data))
+    line = _error(capsys, tiny_run_args(shards, tmp_path, "b", "--num_iterations", "8", "--resume", str(ckpt)))
+    assert line == (f"error: --resume: {ckpt} does not match its checksum ({ckpt.name}.sha256): the file is damaged; "
+                    "use an earlier checkpoint or start the run again")
+    from train_gpt2 import load_checkpoint
+    with pytest.raises(InputError, match="^--checkpoint: .* does not match its checksum"):
+        load_checkpoint(str(ckpt), {}, flag="--checkpoint")  # what sample.py and eval_checkpoint.py say
+
+
+def test_unfinished_checkpoint_writes_are_removed_when_the_run_starts_again(tmp_path, shards, capsys):
+    assert main(tiny_run_args(shards, tmp_path, "a", "--num_iterations", "8", "--save_every", "4")) == 0
+    (tmp_path / "a" / "summary.json").unlink()  # as if the run had been killed after its step-4 checkpoint
+    (tmp_path / "a" / "ckpt_000006.pt.tmp4242").write_bytes(b"half a checkpoint")
+    (tmp_path / "a" / "summary.json.tmp99").write_text("{")
+    capsys.readouterr()
+    assert main(tiny_run_args(shards, tmp_path, "a", "--num_iterations", "8", "--resume", "auto")) == 0
+    assert "removed 2 unfinished file(s) an interrupted save left behind" in capsys.readouterr().err
+    assert not list((tmp_path / "a").glob("*.tmp*"))
 
 
 def test_resume_refuses_a_file_that_is_not_a_checkpoint(tmp_path, shards, capsys):
@@ -547,11 +619,11 @@ def test_out_of_memory_is_one_line_with_the_fix(tmp_path, shards, capsys, monkey
 
 
 def test_a_diverged_run_stops_at_once_without_a_checkpoint(tmp_path, shards, capsys):
-    code, _, err = run(capsys, shards, tmp_path, "run", "--learning_rate", "inf")  # weights turn non-finite
+    code, _, err = run(capsys, shards, tmp_path, "run", "--learning_rate", "1e30")  # weights turn non-finite
     assert code == 1
-    assert err.strip().splitlines()[-1].startswith("error: training diverged: loss nan at step 2;")
+    assert err.strip().splitlines()[-1].startswith("error: training diverged: loss nan at step 3;")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert (summary["status"], summary["steps"]) == ("diverged", 2)
+    assert (summary["status"], summary["steps"]) == ("diverged", 3)
     assert not list((tmp_path / "run").glob("ckpt_*.pt"))
 
 
