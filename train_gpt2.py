@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--coordinate_descent_tuning", action=argparse.BooleanOptionalAction, default=True,
                    help="let inductor tune kernel launch parameters while compiling, as NoCap does (slower "
                         "compile, faster steps)")
+    g.add_argument("--save_every_minutes", type=float, default=30.0,
+                   help="also checkpoint when this many minutes have passed since the last save, so a crash costs "
+                        "at most that much (0: never by time)")
     g.add_argument("--save_every", type=int, default=0,
                    help="also checkpoint every N steps (a final checkpoint is always written)")
     g.add_argument("--resume", default=None,
@@ -195,7 +198,8 @@ def check_run_flags(args):
             raise InputError(f"--{name} {getattr(args, name)} must be >= 1")
     if not 0 <= args.lr_floor <= 1:
         raise InputError(f"--lr_floor {args.lr_floor} must be a fraction of the peak, between 0 and 1")
-    for name in ("warmup_iters", "warmdown_iters", "val_loss_every", "save_every", "overtime_steps"):
+    for name in ("warmup_iters", "warmdown_iters", "val_loss_every", "save_every", "save_every_minutes",
+                 "overtime_steps"):
         if getattr(args, name) < 0:
             raise InputError(f"--{name} {getattr(args, name)} must be >= 0")
     if args.warmup_iters + args.warmdown_iters > args.num_iterations:
@@ -1078,13 +1082,18 @@ def precision(device: torch.device, dtype: str):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, val: ValidationSet, world_size: int, dtype: str = "fp32") -> float:
+def evaluate(model: nn.Module, val: ValidationSet, world_size: int, dtype: str = "fp32",
+             interrupted=None) -> float | None:
     """Mean next-token cross-entropy (nats) over the validation tokens. NoCap scores in fp32 (no
-    autocast); "bf16" scores under autocast like training, offered for sweeps."""
+    autocast); "bf16" scores under autocast like training, offered for sweeps. `interrupted()`, asked
+    before each batch, cuts the evaluation short: None instead of a loss."""
     was_training = model.training
     model.eval()
     total = None
     for x, y in val:
+        if interrupted is not None and interrupted():
+            model.train(was_training)
+            return None
         with precision(x.device, dtype):
             _, loss, _ = model(x, y, return_logits=False)
         total = loss.float() if total is None else total + loss.float()
@@ -1302,6 +1311,13 @@ class StepMeter:
     def peak_mem_mib(self) -> float | None:
         return torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
 
+    def eta_line(self, steps_left: int) -> str:
+        """How long the remaining steps take at the median step so far (training only; evaluations add to it)."""
+        step_s = statistics.median(self.step_seconds)
+        return (f"eta: {steps_left} steps to the end of the schedule take ~{steps_left * step_s / 60:.1f} min at "
+                f"{self.tokens_per_step / step_s:,.0f} tokens/s (plus evaluations; the run stops sooner if it "
+                "reaches the target)")
+
     def steady_tokens_per_s(self) -> float | None:
         steady = self.step_seconds[10:] if len(self.step_seconds) > 10 else self.step_seconds
         return self.tokens_per_step / statistics.median(steady) if steady else None
@@ -1385,22 +1401,36 @@ def resolve_run_dir(args) -> str:
             raise InputError(f"{run_dir}: already holds a finished run ({status}); choose another --run_name "
                              "or delete that directory")
     if args.resume is None and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        raise InputError(f"{run_dir}: already holds a run; pass --resume auto to continue it, or choose "
-                         "another --run_name")
+        raise InputError(f"{run_dir}: already holds a run; pass --resume auto to continue it (or to start it "
+                         "over, if it has no checkpoint), or choose another --run_name")
     return run_dir
 
 
 def resolve_checkpoint_path(args, run_dir: str) -> str | None:
+    """The checkpoint to resume from: --resume's file, or with `auto` the run's newest (None: start fresh)."""
     if args.resume is None:
         return None
     if args.resume == "auto":
         found = list_checkpoints(run_dir)
-        if not found:
-            raise InputError(f"--resume auto: no ckpt_*.pt in {run_dir}; train without --resume first")
-        return found[-1]
+        return found[-1] if found else None
     if not os.path.isfile(args.resume):
         raise InputError(f"--resume: no such checkpoint file {args.resume!r}")
     return args.resume
+
+
+def set_aside_attempt(run_dir: str):
+    """A started run with no checkpoint to continue from (it died before its first save) starts over: its
+    files become *.restarted.* (replacing those of an earlier restart), so the run directory is never a dead end."""
+    moved = []
+    for name in ("metrics.jsonl", "log.txt", "summary.json"):
+        path = os.path.join(run_dir, name)
+        if os.path.exists(path):
+            stem, ext = os.path.splitext(name)
+            os.replace(path, os.path.join(run_dir, f"{stem}.restarted{ext}"))
+            moved.append(name)
+    if moved:
+        notice(f"{run_dir}: no checkpoint to continue from, so the run starts over; the earlier attempt's "
+               f"{', '.join(moved)} are kept as *.restarted.*")
 
 
 def load_checkpoint(path: str, expected: dict, flag: str = "--resume") -> dict:
@@ -1629,9 +1659,11 @@ def setup_run(args) -> Run:
     check_device_fit(args, config, env)
     cap_gpu_memory(args, env)
     run_dir = resolve_run_dir(args)
+    ckpt_path = resolve_checkpoint_path(args, run_dir)
     if env.is_main and os.path.isdir(run_dir):
         remove_unfinished_writes(run_dir)
-    ckpt_path = resolve_checkpoint_path(args, run_dir)
+        if args.resume == "auto" and ckpt_path is None:
+            set_aside_attempt(run_dir)
     if env.world_size > 1:
         dist.barrier()  # every rank has checked the run directory before rank 0 starts writing to it
     train_loader = TokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
@@ -1782,11 +1814,27 @@ def save_checkpoint(run: Run, step: int, evaluated: bool):
             remove_checkpoint(older)
 
 
+class Interrupted(Exception):
+    """A signal arrived while nothing could be checkpointed (the compile warm-up): the run stops at once."""
+
+
+def agree(env: Distributed, *flags: int) -> list[int]:
+    """The largest value of each flag over all processes, so every rank acts on what any rank saw."""
+    if env.world_size == 1:
+        return list(flags)
+    values = torch.tensor(flags, device=env.device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.tolist()
+
+
 class StopSignal:
-    """SIGINT/SIGTERM ask the loop to stop at the next step boundary (checkpoint, summary, exit 128+sig)."""
+    """SIGINT/SIGTERM stop the run within a step or an evaluation batch: the loop checkpoints at the next
+    step boundary, an evaluation in progress is cut short, and while `raising` (the compile warm-up, before
+    anything has trained) the handler raises Interrupted at once. Exit code 128 + the signal."""
 
     def __init__(self):
         self.signum = 0
+        self.raising = False
         self.previous = {}
 
     def __enter__(self):
@@ -1796,27 +1844,24 @@ class StopSignal:
 
     def _handle(self, signum, frame):
         self.signum = signum
+        if self.raising:
+            raise Interrupted(signum)
 
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
-    def requested(self, env: Distributed) -> int:
-        """The signal number if any process got one (all ranks must stop at the same step)."""
-        if env.world_size == 1:
-            return self.signum
-        flag = torch.tensor([self.signum], device=env.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
 
-
-def evaluate_and_record(run: Run, step: int) -> tuple[float, float]:
-    """NoCap's evaluation of the model after `step` steps, written to metrics.jsonl: (val loss, seconds)."""
+def evaluate_and_record(run: Run, step: int, stop: StopSignal) -> tuple[float | None, float]:
+    """NoCap's evaluation of the model after `step` steps, written to metrics.jsonl: (val loss, seconds);
+    (None, seconds) when a signal cut it short."""
     t0 = time.perf_counter()
-    val_loss = evaluate(run.eval_model, run.val, run.env.world_size, run.args.val_dtype)
+    val_loss = evaluate(run.eval_model, run.val, run.env.world_size, run.args.val_dtype,
+                        interrupted=lambda: agree(run.env, stop.signum)[0] > 0)
     eval_s = time.perf_counter() - t0
-    run.log.record(step=step, tokens=step * run.tokens_per_step, val_loss=val_loss, train_time_s=run.train_time_s,
-                   eval_s=eval_s)
+    if val_loss is not None:
+        run.log.record(step=step, tokens=step * run.tokens_per_step, val_loss=val_loss,
+                       train_time_s=run.train_time_s, eval_s=eval_s)
     return val_loss, eval_s
 
 
@@ -1852,27 +1897,49 @@ def overtime_after(args, val_loss: float, emit) -> int:
     return args.overtime_steps
 
 
+@dataclass
+class Outcome:
+    """How the run went, as its summary reports it."""
+    status: str = "completed"  # reached_target | completed | missed_target | interrupted | diverged
+    step: int = 0
+    final_val_loss: float | None = None
+    compile_s: float = 0.0
+    eval_time_s: float = 0.0
+
+
 def train(args) -> int:
     """Train until the target, the end of the schedule (and its overtime), a signal or divergence; returns
-    the exit code."""
+    the exit code: 0, 1 diverged, 128 + the signal."""
     wall_start = time.perf_counter()
     run = setup_run(args)
+    outcome, meter = Outcome(step=run.start_step), None
     try:
-        return train_loop(run, wall_start)
+        with StopSignal() as stop:
+            try:
+                if run.compiled:
+                    run.log.print("compiling (warm-up steps on real batches, then state is restored)...")
+                    stop.raising = True  # nothing has trained yet: a signal stops the warm-up at once
+                    outcome.compile_s = warm_up_compile(run)
+                    stop.raising = False
+                    run.log.print(f"compile warm-up: {outcome.compile_s:.1f}s")
+            except Interrupted as e:
+                outcome.status = "interrupted"
+                run.log.print(f"received signal {e.args[0]} during the compile warm-up: stopping, nothing trained")
+            if outcome.status != "interrupted":
+                meter = StepMeter(run.raw_model, args.sequence_length, run.env, run.tokens_per_step)
+                train_loop(run, stop, outcome, meter)
+        finish(run, outcome, meter, wall_start)
     finally:
         run.log.close()  # also when an error ends the run: stdout and stderr are the terminal's again
+    if outcome.status == "diverged":
+        return 1
+    return 128 + stop.signum if outcome.status == "interrupted" else 0
 
 
-def train_loop(run: Run, wall_start: float) -> int:
-    """Each turn: evaluate when due (and stop at the target), checkpoint when due, one optimizer step."""
+def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
+    """Each turn: stop if signalled, evaluate when due (and stop at the target), checkpoint when due (by
+    steps or minutes), one optimizer step."""
     args, env, log = run.args, run.env, run.log
-    compile_s = 0.0
-    if run.compiled:
-        log.print("compiling (warm-up steps on real batches, then state is restored)...")
-        compile_s = warm_up_compile(run)
-        log.print(f"compile warm-up: {compile_s:.1f}s")
-    meter = StepMeter(run.raw_model, args.sequence_length, env, run.tokens_per_step)
-    eval_time_s, final_val_loss, status = 0.0, None, "completed"
     # A schedule that ends above the target trains on for up to --overtime_steps more steps; a run resumed
     # past its schedule's end is in that overtime (a run that had reached the target would have finished).
     scheduled_end = args.num_iterations
@@ -1884,82 +1951,86 @@ def train_loop(run: Run, wall_start: float) -> int:
         progress = tqdm(total=final_step, initial=run.start_step, unit="step", dynamic_ncols=True,
                         file=log.terminal[1])  # the bar's redraws stay out of log.txt
     emit = progress.write if progress is not None else log.print
-
-    step = run.start_step
-    with StopSignal() as stop:
-        while True:
-            if signum := stop.requested(env):
-                status = "interrupted"
-                emit(f"received signal {signum}: checkpointing at step {step} and stopping")
-                save_checkpoint(run, step, evaluated=False)
+    step, last_save = run.start_step, time.monotonic()
+    while True:
+        minutes_due = 0 < args.save_every_minutes <= (time.monotonic() - last_save) / 60
+        signum, minutes_due = agree(env, stop.signum, int(minutes_due))  # every rank acts at the same step
+        if signum:
+            outcome.status = "interrupted"
+            emit(f"received signal {signum}: checkpointing at step {step} and stopping")
+            save_checkpoint(run, step, evaluated=False)
+            break
+        last_step, evaluated = step == final_step, False
+        due = last_step or step == scheduled_end or (args.val_loss_every > 0 and step % args.val_loss_every == 0)
+        if due and not (step == run.start_step and run.evaluated_at_start):
+            val_loss, eval_s = evaluate_and_record(run, step, stop)
+            outcome.eval_time_s += eval_s
+            if val_loss is None:
+                continue  # a signal cut the evaluation short: the top of the loop checkpoints and stops
+            outcome.final_val_loss, evaluated = val_loss, True
+            emit(f"step:{step}/{final_step} | val loss {val_loss:.6f} | train_time {run.train_time_s:.1f}s")
+            if 0 < args.target_val_loss and val_loss <= args.target_val_loss:
+                outcome.status = "reached_target"
                 break
-            last_step, evaluated = step == final_step, False
-            due = last_step or step == scheduled_end or (args.val_loss_every > 0 and step % args.val_loss_every == 0)
-            if due and not (step == run.start_step and run.evaluated_at_start):
-                final_val_loss, eval_s = evaluate_and_record(run, step)
-                eval_time_s, evaluated = eval_time_s + eval_s, True
-                emit(f"step:{step}/{final_step} | val loss {final_val_loss:.6f} | train_time {run.train_time_s:.1f}s")
-                if 0 < args.target_val_loss and final_val_loss <= args.target_val_loss:
-                    status = "reached_target"
-                    break
-                if step == scheduled_end and args.target_val_loss > 0:  # the schedule ended above the target
-                    final_step = scheduled_end + overtime_after(args, final_val_loss, emit)
-                    last_step = step == final_step
-                    if progress is not None:
-                        progress.total = final_step
-            if last_step:
-                if args.target_val_loss > 0:
-                    status = "missed_target"
-                    if step > scheduled_end:
-                        emit(f"notice: {step - scheduled_end} overtime steps ended at val loss {final_val_loss:.4f}, "
-                             f"still above the target {args.target_val_loss}")
-                break
-            if args.save_every and step > run.start_step and step % args.save_every == 0:
-                save_checkpoint(run, step, evaluated)
-
-            step_s, step_loss, aux, lr = timed_step(run, step)
-            step += 1
-            tokens_per_s, mfu = meter.step(step_s)
-            train_loss = step_loss.item()
-            log.record(step=step, tokens=step * run.tokens_per_step, train_loss=train_loss, lr=lr,
-                       step_ms=1000 * step_s, tokens_per_s=tokens_per_s, mfu=mfu, train_time_s=run.train_time_s,
-                       peak_mem_mib=meter.peak_mem_mib(), **{name: value.tolist() for name, value in aux.items()})
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
-            else:
-                emit(f"step:{step}/{final_step} | loss {train_loss:.6f} | lr {lr:.3e} | {1000 * step_s:.1f}ms | "
-                     f"{tokens_per_s:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
-                     + f" | train_time {run.train_time_s:.1f}s")
-            if not math.isfinite(train_loss):  # all ranks see the same all-reduced loss, so all stop here
-                status = "diverged"
-                if env.is_main:
-                    print(f"error: training diverged: loss {train_loss} at step {step}; no checkpoint is written, "
-                          "so the newest one in the run directory is the last good state — lower --learning_rate "
-                          "(or --muon_lr) and start again or --resume from it", file=sys.stderr, flush=True)
-                break
-        if status not in ("interrupted", "diverged"):
+            if step == scheduled_end and args.target_val_loss > 0:  # the schedule ended above the target
+                final_step = scheduled_end + overtime_after(args, val_loss, emit)
+                last_step = step == final_step
+                if progress is not None:
+                    progress.total = final_step
+        if last_step:
+            if args.target_val_loss > 0:
+                outcome.status = "missed_target"
+                if step > scheduled_end:
+                    emit(f"notice: {step - scheduled_end} overtime steps ended at val loss "
+                         f"{outcome.final_val_loss:.4f}, still above the target {args.target_val_loss}")
+            break
+        if step > run.start_step and (minutes_due or (args.save_every and step % args.save_every == 0)):
             save_checkpoint(run, step, evaluated)
+            last_save = time.monotonic()
+
+        step_s, step_loss, aux, lr = timed_step(run, step)
+        step = outcome.step = step + 1
+        tokens_per_s, mfu = meter.step(step_s)
+        if len(meter.step_seconds) == 10 and step < final_step:  # once the step time has settled
+            emit(meter.eta_line(final_step - step))
+        train_loss = step_loss.item()
+        log.record(step=step, tokens=step * run.tokens_per_step, train_loss=train_loss, lr=lr,
+                   step_ms=1000 * step_s, tokens_per_s=tokens_per_s, mfu=mfu, train_time_s=run.train_time_s,
+                   peak_mem_mib=meter.peak_mem_mib(), **{name: value.tolist() for name, value in aux.items()})
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+        else:
+            emit(f"step:{step}/{final_step} | loss {train_loss:.6f} | lr {lr:.3e} | {1000 * step_s:.1f}ms | "
+                 f"{tokens_per_s:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
+                 + f" | train_time {run.train_time_s:.1f}s")
+        if not math.isfinite(train_loss):  # all ranks see the same all-reduced loss, so all stop here
+            outcome.status = "diverged"
+            if env.is_main:
+                print(f"error: training diverged: loss {train_loss} at step {step}; no checkpoint is written, "
+                      "so the newest one in the run directory is the last good state — lower --learning_rate "
+                      "(or --muon_lr) and start again or --resume from it", file=sys.stderr, flush=True)
+            break
+    if outcome.status not in ("interrupted", "diverged"):
+        save_checkpoint(run, step, evaluated)
     if progress is not None:
         progress.close()
 
-    tokens_per_s = meter.steady_tokens_per_s()
-    finish(run, dict(
-        status=status, reached_target=status == "reached_target", target_val_loss=args.target_val_loss,
-        final_val_loss=final_val_loss, steps=step, overtime_steps=max(0, step - scheduled_end),
-        tokens=step * run.tokens_per_step, train_time_s=run.train_time_s, compile_s=compile_s,
-        eval_time_s=eval_time_s, wall_time_s=time.perf_counter() - wall_start, tokens_per_s=tokens_per_s,
-        mfu=meter.mfu(tokens_per_s), peak_mem_mib=meter.peak_mem_mib(), model=args.model, run_dir=run.run_dir))
-    if status == "diverged":
-        return 1
-    return 128 + stop.signum if status == "interrupted" else 0
 
-
-def finish(run: Run, summary: dict):
-    """Write the summary (summary.json and the closing block), then close the logs and the process group."""
+def finish(run: Run, outcome: Outcome, meter: StepMeter | None, wall_start: float):
+    """Write the summary (summary.json and the closing block) and close the process group."""
+    args = run.args
+    tokens_per_s = meter.steady_tokens_per_s() if meter is not None else None
+    summary = dict(
+        status=outcome.status, reached_target=outcome.status == "reached_target", target_val_loss=args.target_val_loss,
+        final_val_loss=outcome.final_val_loss, steps=outcome.step,
+        overtime_steps=max(0, outcome.step - args.num_iterations), tokens=outcome.step * run.tokens_per_step,
+        train_time_s=run.train_time_s, compile_s=outcome.compile_s, eval_time_s=outcome.eval_time_s,
+        wall_time_s=time.perf_counter() - wall_start, tokens_per_s=tokens_per_s,
+        mfu=meter.mfu(tokens_per_s) if meter is not None else None,
+        peak_mem_mib=meter.peak_mem_mib() if meter is not None else None, model=args.model, run_dir=run.run_dir)
     run.log.write_json("summary.json", summary)
     run.log.print(format_summary(summary))
-    run.log.close()
     if run.env.world_size > 1:
         # Drop the DDP wrapper while the process group is still registered: if its reducer held the last
         # reference, the group would be destroyed under the GIL while a gloo worker thread waits for the

@@ -16,18 +16,18 @@ import multiprocessing
 import os
 import shutil
 import sys
-import tempfile
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import InputError, read_shard_header, report_input_errors, write_shard  # noqa: E402
+from train_gpt2 import HEADER_BYTES, InputError, read_shard_header, report_input_errors, write_shard  # noqa: E402
 
 CACHED_REPO = "kjj0/fineweb10B-gpt2"  # the shards NoCap-Test and modded-nanogpt train on
 CACHED_TRAIN_SHARDS = 103  # available in that repository (100M tokens each)
 NOCAP_MAX_TRAIN_SHARDS = 50  # NoCap's 5B-token budget
 RAW_DATASET = ("HuggingFaceFW/fineweb", "sample-10BT")
 EOT = 50256  # <|endoftext|>, the document delimiter
+CACHED_SHARD_BYTES = HEADER_BYTES + 2 * 100_000_000  # 100M uint16 tokens after the header
 
 
 # -----------------------------------------------------------------------------
@@ -59,31 +59,35 @@ def is_complete_shard(path: str) -> bool:
 
 def download_cached(output_dir: str, n_train: int, fetch=hf_fetch) -> list[str]:
     """Make sure val + train shards 1..n_train are in output_dir, complete and valid. Files already
-    complete are skipped; each new one is fetched into a scratch folder, verified, then renamed into
-    place. `fetch(name, dest_dir) -> path` is the transport (huggingface_hub unless a test swaps it)."""
+    complete are skipped; the free disk is checked before anything is fetched; each new file is fetched into
+    output_dir/.download, verified, then renamed into place. A transfer that breaks leaves its partial file
+    there, and huggingface_hub resumes it on the next run. `fetch(name, dest_dir) -> path` is the transport
+    (huggingface_hub unless a test swaps it)."""
     if not 1 <= n_train <= CACHED_TRAIN_SHARDS:
         raise InputError(f"-n {n_train}: the cached dataset has train shards 1..{CACHED_TRAIN_SHARDS}")
     if n_train > NOCAP_MAX_TRAIN_SHARDS:
         print(f"notice: NoCap-Test allows train shards 1..{NOCAP_MAX_TRAIN_SHARDS}; -n {n_train} goes beyond it")
     from tqdm import tqdm
     os.makedirs(output_dir, exist_ok=True)
-    paths = []
-    for name in tqdm(cached_shard_names(n_train), desc="shards", unit="file"):
-        dest = os.path.join(output_dir, name)
-        paths.append(dest)
-        if os.path.exists(dest) and is_complete_shard(dest):
-            continue
-        scratch = tempfile.mkdtemp(prefix=".download-", dir=output_dir)
+    paths = [os.path.join(output_dir, name) for name in cached_shard_names(n_train)]
+    missing = [path for path in paths if not (os.path.exists(path) and is_complete_shard(path))]
+    need, free = len(missing) * CACHED_SHARD_BYTES, shutil.disk_usage(output_dir).free
+    if need > free:
+        raise InputError(f"{output_dir}: the {len(missing)} shards to download need {need / 1e9:.1f} GB and "
+                         f"{free / 1e9:.1f} GB is free; free some space or pass --output_dir on a larger disk")
+    scratch = os.path.join(output_dir, ".download")
+    os.makedirs(scratch, exist_ok=True)
+    for dest in tqdm(missing, desc="shards", unit="file"):
+        name = os.path.basename(dest)
+        fetched = fetch(name, scratch)
         try:
-            fetched = fetch(name, scratch)
-            try:
-                read_shard_header(fetched)
-            except InputError as e:
-                raise InputError(f"downloaded {name} is not a valid shard ({e}); nothing was replaced — "
-                                 "run the command again") from None
-            os.replace(fetched, dest)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            read_shard_header(fetched)
+        except InputError as e:
+            os.remove(fetched)
+            raise InputError(f"downloaded {name} is not a valid shard ({e}); nothing was replaced — "
+                             "run the command again") from None
+        os.replace(fetched, dest)
+    shutil.rmtree(scratch, ignore_errors=True)
     return paths
 
 

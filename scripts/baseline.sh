@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh 25
-exec torchrun --standalone --nproc_per_node="${NPROC:-1}" train_gpt2.py \
+exec bash scripts/train.sh \
   --input_bin "data/fineweb10B/fineweb_train_*.bin" --input_val_bin "data/fineweb10B/fineweb_val_*.bin" \
   --output_dir logs --model d12 \
   --batch_size 16 --grad_accumulation_steps 32 --sequence_length 1024 \

@@ -21,7 +21,7 @@ output_dir=${OUTPUT_DIR:-logs}
 stamp=$(date +%Y%m%d-%H%M%S)
 runs=()
 for model in "${models[@]}"; do
-  torchrun --standalone --nproc_per_node="${NPROC:-1}" train_gpt2.py --model "$model" \
+  bash scripts/train.sh --model "$model" \
     --output_dir "$output_dir" --run_name "compare-$stamp-$model" "$@"
   runs+=("$output_dir/compare-$stamp-$model")
 done

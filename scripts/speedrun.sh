@@ -11,6 +11,6 @@ cd "$(dirname "$0")/.."
 shards=$(python3 -c "import math; from model_variants import RECIPES; r = RECIPES['d12_fast']
 print(math.ceil((r['num_iterations'] + r['overtime_steps']) * r['total_batch_size'] / 100e6))")
 bash scripts/setup.sh "$shards"
-exec torchrun --standalone --nproc_per_node="${NPROC:-1}" train_gpt2.py --model d12_fast \
+exec bash scripts/train.sh --model d12_fast \
   --input_bin "data/fineweb10B/fineweb_train_*.bin" --input_val_bin "data/fineweb10B/fineweb_val_*.bin" \
   --output_dir logs "$@"

@@ -25,7 +25,7 @@ cap=()
 output_dir="${OUTPUT_DIR:-logs}/throughput-$(date +%Y%m%d-%H%M%S)"
 runs=()
 for model in "${models[@]}"; do
-  torchrun --standalone --nproc_per_node=1 train_gpt2.py --model "$model" \
+  python3 train_gpt2.py --model "$model" \
     --input_bin "$data/mix_train_00000[12].bin" --input_val_bin "$data/mix_val_000000.bin" \
     --num_iterations 14 --warmup_iters 4 --warmdown_iters 4 --val_loss_every 0 --val_tokens 16384 \
     --target_val_loss 0 "${cap[@]}" --no-coordinate_descent_tuning \

@@ -2,6 +2,7 @@
 skip / verify / atomic-replace logic (with a local stand-in for the hub)."""
 
 import json
+import os
 import shutil
 import sys
 
@@ -127,7 +128,35 @@ def test_cached_download_rejects_a_bad_file_and_keeps_the_old_one(tmp_path, hub)
     with pytest.raises(InputError, match="downloaded fineweb_val_000000.bin is not a valid shard"):
         fineweb.download_cached(str(out), 1, fetch=hub)
     assert (out / "fineweb_val_000000.bin").read_bytes() == b"partial"
-    assert [x.name for x in out.iterdir()] == ["fineweb_val_000000.bin"]
+    assert sorted(x.name for x in out.iterdir()) == [".download", "fineweb_val_000000.bin"]
+    assert list((out / ".download").iterdir()) == []  # the bad file is not kept for a resume
+
+
+def test_a_broken_transfer_is_resumed_by_the_next_run(tmp_path, hub):
+    out = tmp_path / "fineweb10B"
+    seen = []
+
+    def breaks_once(name, dest_dir):
+        partial = os.path.join(dest_dir, ".cache", f"{name}.incomplete")  # where huggingface_hub keeps it
+        seen.append(os.path.exists(partial))
+        if len(seen) == 1:  # the first transfer breaks
+            os.makedirs(os.path.dirname(partial))
+            open(partial, "wb").write(b"the first megabytes")
+            raise InputError(f"{name}: download failed (ConnectionError)")
+        return hub(name, dest_dir)
+    with pytest.raises(InputError, match="download failed"):
+        fineweb.download_cached(str(out), 1, fetch=breaks_once)
+    fineweb.download_cached(str(out), 1, fetch=breaks_once)
+    assert seen[:2] == [False, True]  # the retry found the partial file to resume from
+    assert sorted(p.name for p in out.iterdir()) == ["fineweb_train_000001.bin", "fineweb_val_000000.bin"]
+
+
+def test_the_free_disk_is_checked_before_anything_is_fetched(tmp_path, hub, monkeypatch):
+    import collections
+    monkeypatch.setattr(fineweb.shutil, "disk_usage", lambda path: collections.namedtuple("u", "free")(3 * 10**8))
+    with pytest.raises(InputError, match=r"the 3 shards to download need 0.6 GB and 0.3 GB is free; free some"):
+        fineweb.download_cached(str(tmp_path / "fw"), 2, fetch=hub)
+    assert hub.fetched == []
 
 
 @pytest.mark.parametrize("n", [0, 104])
@@ -154,4 +183,4 @@ def test_a_failed_transfer_is_one_line_and_leaves_nothing(tmp_path, capsys, monk
     assert err[-1] == ("error: fineweb_val_000000.bin: download from kjj0/fineweb10B-gpt2 failed (OSError: "
                        "Connection refused); check the network (or HF_ENDPOINT) and run again — complete shards "
                        "are kept")
-    assert list((tmp_path / "fw").iterdir()) == []  # the scratch folder is gone too
+    assert [p.name for p in (tmp_path / "fw").iterdir()] == [".download"]  # no shard: only where a retry resumes

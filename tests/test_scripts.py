@@ -91,25 +91,54 @@ def test_throughput_sh_runs_the_14_step_protocol_for_each_model(tmp_path):
     assert bash("scripts/throughput.sh", str(tmp_path / "missing")).returncode == 2
 
 
-def test_speedrun_sh_fetches_the_shards_the_recipe_and_its_overtime_read(tmp_path):
-    """speedrun.sh in a copy of the repo whose setup.sh and torchrun only record how they were called."""
-    from model_variants import RECIPES
+def stub_repo(tmp_path, *scripts):
+    """A copy of the repo's given scripts and model_variants.py, whose setup.sh, train_gpt2.py, data/fineweb.py
+    and torchrun only record how they were called (in calls.txt); returns the PATH that finds the stub torchrun."""
     (tmp_path / "scripts").mkdir()
-    shutil.copy(REPO / "scripts" / "speedrun.sh", tmp_path / "scripts")
+    (tmp_path / "data").mkdir()
+    for script in scripts:
+        shutil.copy(REPO / "scripts" / script, tmp_path / "scripts")
     shutil.copy(REPO / "model_variants.py", tmp_path)
-    (tmp_path / "scripts" / "setup.sh").write_text('echo "setup $*" >> calls.txt\n')
+    record = 'import sys; open("calls.txt", "a").write(" ".join(["{}", *sys.argv[1:]]) + "\\n")'
+    if not (tmp_path / "scripts" / "setup.sh").exists():
+        (tmp_path / "scripts" / "setup.sh").write_text('echo "setup $*" >> calls.txt\n')
+    (tmp_path / "train_gpt2.py").write_text(record.format("python3 train_gpt2.py"))
+    (tmp_path / "data" / "fineweb.py").write_text(record.format("fineweb.py"))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "torchrun").write_text('#!/usr/bin/env bash\necho "torchrun $*" >> calls.txt\n')
     (bin_dir / "torchrun").chmod(0o755)
-    result = bash(str(tmp_path / "scripts" / "speedrun.sh"), "--batch_size", "16",
-                  env_extra={"PATH": f"{bin_dir}:{os.environ['PATH']}"}, cwd=tmp_path)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+def test_speedrun_sh_fetches_the_shards_the_recipe_and_its_overtime_read(tmp_path):
+    from model_variants import RECIPES
+    path = stub_repo(tmp_path, "speedrun.sh", "train.sh")
+    result = bash(str(tmp_path / "scripts" / "speedrun.sh"), "--batch_size", "16", env_extra={"PATH": path},
+                  cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     setup, launch = (tmp_path / "calls.txt").read_text().splitlines()
     recipe = RECIPES["d12_fast"]
     tokens = (recipe["num_iterations"] + recipe["overtime_steps"]) * recipe["total_batch_size"]
     assert setup == f"setup {math.ceil(tokens / 100e6)}" and tokens <= 100e6 * int(setup.split()[1])
-    assert "train_gpt2.py --model d12_fast" in launch and launch.endswith("--output_dir logs --batch_size 16")
+    # One GPU: the trainer itself, so signals and exit codes pass straight through; more: torchrun.
+    assert launch.startswith("python3 train_gpt2.py --model d12_fast") and launch.endswith("--batch_size 16")
+    (tmp_path / "calls.txt").unlink()
+    bash(str(tmp_path / "scripts" / "speedrun.sh"), env_extra={"PATH": path, "NPROC": "2"}, cwd=tmp_path)
+    assert (tmp_path / "calls.txt").read_text().splitlines()[1].startswith(
+        "torchrun --standalone --nproc_per_node=2 train_gpt2.py --model d12_fast")
+
+
+def test_setup_sh_wants_a_gpu_before_it_downloads_unless_told_otherwise(tmp_path):
+    path = stub_repo(tmp_path, "setup.sh")
+    result = bash(str(tmp_path / "scripts" / "setup.sh"), "14", env_extra={"PATH": path}, cwd=tmp_path)
+    if result.returncode == 0:
+        pytest.skip("this machine has a CUDA GPU")
+    assert result.returncode == 2 and not (tmp_path / "calls.txt").exists()  # nothing downloaded
+    assert result.stderr.startswith("error: torch sees no CUDA GPU") and "ALLOW_CPU=1" in result.stderr
+    result = bash(str(tmp_path / "scripts" / "setup.sh"), "14", env_extra={"PATH": path, "ALLOW_CPU": "1"},
+                  cwd=tmp_path)
+    assert result.returncode == 0 and (tmp_path / "calls.txt").read_text() == "fineweb.py --source cached -n 14\n"
 
 
 @pytest.mark.parametrize("script, args", [("scripts/compare.sh", ["d12"]), ("scripts/ablate.sh", ["/nonexistent"])])

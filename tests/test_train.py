@@ -142,6 +142,14 @@ def test_metrics_and_summary_are_strict_json(tmp_path, shards, capsys):
     assert strict((tmp_path / "run" / "summary.json").read_text())["status"] == "diverged"
 
 
+def test_the_time_left_is_estimated_once_the_steps_settle(tmp_path, shards, capsys):
+    _, out, _ = run(capsys, shards, tmp_path, "long", "--num_iterations", "14")
+    etas = [line for line in out.splitlines() if line.startswith("eta:")]
+    assert len(etas) == 1 and etas[0].startswith("eta: 4 steps to the end of the schedule take ~")  # after step 10
+    _, out, _ = run(capsys, shards, tmp_path, "short")  # 6 steps: too few to estimate
+    assert "eta:" not in out
+
+
 def test_lr_schedule_is_nocaps():
     args = Namespace(warmup_iters=4, warmdown_iters=5, num_iterations=20, lr_floor=0.0)
     lrs = [lr_scale(s, args) for s in range(20)]
@@ -271,6 +279,68 @@ def test_resume_from_a_periodic_checkpoint_gives_the_uninterrupted_losses(tmp_pa
     assert resumed == {step: straight[step] for step in resumed}  # bitwise equal on CPU
     summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["tokens"] == 8 * 128
+
+
+def test_a_run_that_died_before_its_first_checkpoint_starts_over_under_resume_auto(tmp_path, shards, capsys):
+    code, _, _ = run(capsys, shards, tmp_path, "run", "--learning_rate", "1e30")  # diverges: no checkpoint
+    assert code == 1 and not list((tmp_path / "run").glob("ckpt_*.pt"))
+    line = _error(capsys, tiny_run_args(shards, tmp_path, "run"))
+    assert "already holds a run; pass --resume auto to continue it (or to start it over" in line
+    code, out, err = run(capsys, shards, tmp_path, "run", "--resume", "auto")
+    assert code == 0 and "no checkpoint to continue from, so the run starts over" in err
+    run_dir = tmp_path / "run"
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    assert json.loads((run_dir / "summary.restarted.json").read_text())["status"] == "diverged"
+    assert (run_dir / "metrics.restarted.jsonl").exists() and (run_dir / "log.restarted.txt").exists()
+    assert [r["step"] for r in read_metrics(run_dir)][:2] == [0, 1]  # the new attempt's own metrics, from step 0
+
+
+def test_checkpoints_are_also_written_by_time(tmp_path, shards, capsys, monkeypatch):
+    import train_gpt2
+    assert build_parser().parse_args([]).save_every_minutes == 30  # a crash costs at most half an hour
+    monkeypatch.setattr(train_gpt2.os, "remove", lambda path: None)  # keep every checkpoint written
+    code, _, _ = run(capsys, shards, tmp_path, "run", "--save_every_minutes", "1e-9")  # due after every step
+    assert code == 0
+    assert sorted(p.name for p in (tmp_path / "run").glob("ckpt_*.pt")) == [f"ckpt_00000{i}.pt" for i in range(1, 7)]
+    run(capsys, shards, tmp_path, "never", "--save_every_minutes", "0")
+    assert [p.name for p in (tmp_path / "never").glob("ckpt_*.pt")] == ["ckpt_000006.pt"]  # the final one only
+
+
+def test_a_signal_during_an_evaluation_cuts_it_short_and_checkpoints(tmp_path, shards, capsys, monkeypatch):
+    import train_gpt2
+    batches = []
+    iterate = train_gpt2.ValidationSet.__iter__
+
+    def iterate_then_signal(self):
+        for batch in iterate(self):
+            batches.append(1)
+            yield batch
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C after the first batch of the step-0 evaluation
+    monkeypatch.setattr(train_gpt2.ValidationSet, "__iter__", iterate_then_signal)
+    code, _, _ = run(capsys, shards, tmp_path, "run")
+    assert code == 130 and len(batches) == 2  # of 4: the check before the second batch's forward stopped it
+    assert not [r for r in read_metrics(tmp_path / "run") if "val_loss" in r]  # no loss from half an evaluation
+    assert [p.name for p in (tmp_path / "run").glob("ckpt_*.pt")] == ["ckpt_000000.pt"]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "interrupted"
+
+
+def test_a_signal_during_the_compile_warm_up_stops_it_at_once(tmp_path, shards, capsys, monkeypatch):
+    import train_gpt2
+    monkeypatch.setattr(train_gpt2.torch, "compile", lambda model, **kwargs: model)  # the warm-up, not the compiler
+    calls = []
+    train_step = train_gpt2.train_step
+
+    def signalled_step(run, scale):
+        calls.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return train_step(run, scale)
+    monkeypatch.setattr(train_gpt2, "train_step", signalled_step)
+    code, out, _ = run(capsys, shards, tmp_path, "run", "--compile")
+    assert code == 143 and len(calls) == 1  # the warm-up's first of 3 steps: it did not run on
+    assert "during the compile warm-up: stopping, nothing trained" in out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]) == ("interrupted", 0)
+    assert not list((tmp_path / "run").glob("ckpt_*.pt"))
 
 
 def _start_long_run(shards, out, name, *extra):
