@@ -1,5 +1,6 @@
 """The trainer end to end on CPU: logs, stop rule, schedule, resume, signals, DDP, and bad input."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -406,6 +407,32 @@ def test_two_gloo_processes_match_one_process_with_double_accumulation(tmp_path,
         assert ddp_losses[step] == pytest.approx(single_losses[step], rel=1e-5)
     vals = lambda d: [r["val_loss"] for r in read_metrics(d) if "val_loss" in r]
     assert vals(tmp_path / "ddp") == pytest.approx(vals(tmp_path / "single"), rel=1e-5)
+
+
+def test_an_input_error_under_torchrun_is_one_line_from_rank_0_and_no_rank_crashes(tmp_path, shards):
+    # --log_wandb without wandb: every rank refuses it before any of them waits for the others (rank 1 used
+    # to die in a gloo collective, a traceback, while rank 0 had already exited).
+    pytest.importorskip("torch.distributed.run")
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(REPO / "train_gpt2.py"), *tiny_run_args(shards, tmp_path, "ddp", "--log_wandb")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    ours = [line for line in ddp.stderr.splitlines() if line.startswith("error: ")]
+    assert ours == ["error: --log_wandb: wandb is not installed; pip install wandb, or drop the flag"]
+    assert "train_gpt2.py\", line" not in ddp.stderr and "gloo" not in ddp.stderr.lower()  # no worker traceback
+
+
+def test_a_signal_to_scripts_train_sh_reaches_the_trainer_and_its_exit_code_comes_back(tmp_path, shards):
+    cmd = ["bash", str(REPO / "scripts" / "train.sh"),
+           *tiny_run_args(shards, tmp_path, "run", "--num_iterations", "400", "--val_loss_every", "100")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_train_lines(tmp_path / "run", 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 143  # 128 + SIGTERM, from the trainer itself (one process: no torchrun between)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "interrupted"
 
 
 # --- bad input: one `error:` line naming the flag or file, exit code 2, nothing overwritten -------------
