@@ -2040,6 +2040,10 @@ def finish(run: Run, outcome: Outcome, meter: StepMeter | None, wall_start: floa
         dist.destroy_process_group()
 
 
+# =============================================================================
+# Entry point: main(), --list_models
+# =============================================================================
+
 def list_models() -> str:
     rows = [f"{'name':<11}{'layers':>7}{'heads':>6}{'kv':>4}{'width':>6}{'params':>9}{'active':>9}  differs from d12"]
     for name, config in VARIANTS.items():
