@@ -1660,10 +1660,6 @@ def setup_run(args) -> Run:
     cap_gpu_memory(args, env)
     run_dir = resolve_run_dir(args)
     ckpt_path = resolve_checkpoint_path(args, run_dir)
-    if env.is_main and os.path.isdir(run_dir):
-        remove_unfinished_writes(run_dir)
-        if args.resume == "auto" and ckpt_path is None:
-            set_aside_attempt(run_dir)
     if env.world_size > 1:
         dist.barrier()  # every rank has checked the run directory before rank 0 starts writing to it
     train_loader = TokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
@@ -1686,6 +1682,10 @@ def setup_run(args) -> Run:
         train_loader.skip(ckpt["batches_drawn"])
         resumed = dict(start_step=ckpt["step"], train_time_s=ckpt["train_time_s"], evaluated_at_start=ckpt["evaluated"])
 
+    if env.is_main and os.path.isdir(run_dir):  # every input is checked: the run directory may change now
+        remove_unfinished_writes(run_dir)
+        if args.resume == "auto" and ckpt_path is None:
+            set_aside_attempt(run_dir)
     wandb_run = None
     if args.log_wandb and env.is_main:
         import wandb  # check_run_flags made sure it is there
