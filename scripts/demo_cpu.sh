@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A three-minute CPU demo (2 cores) on the bundled 1.2M-token FineWeb sample (no GPU, no download):
+# A CPU demo of a few minutes (2 cores) on the bundled 1.2M-token FineWeb sample (no GPU, no download):
 # the `tiny` model goes from val loss 10.95 to 7.42. Output in logs/demo-cpu-<time>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
