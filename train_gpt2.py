@@ -51,6 +51,8 @@ class InputError(Exception):
 
 NOCAP_TARGET_VAL_LOSS = 3.3821
 NOCAP_VAL_TOKENS = 1_048_576  # fixed so that every run is scored on exactly the same tokens
+NOCAP_VAL_ROW = 1024  # NoCap's validation rows: 64 batches of 16 x 1024
+OPTIMIZERS = ("adamw", "adamw8bit", "lion", "muon")
 
 
 def _parse_bool(text: str) -> bool:
@@ -92,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch_size", type=int, default=16,
                    help="sequences per micro-batch per GPU; halve it (and double accumulation) if you run out of memory")
     g.add_argument("--sequence_length", type=int, default=1024, help="tokens per sequence")
+    g.add_argument("--curriculum_start", type=int, default=0,
+                   help="sequence-length curriculum: train on rows of this many tokens first, doubling in equal "
+                        "stages up to --sequence_length at step --curriculum_iters; every micro-batch keeps its "
+                        "tokens and their order (more, shorter rows). 0: off")
+    g.add_argument("--curriculum_iters", type=int, default=0, help="steps until rows reach --sequence_length")
     g.add_argument("--grad_accumulation_steps", type=int, default=None,
                    help="micro-batches per optimizer step summed over all GPUs (NoCap semantics: divided by "
                         "the number of processes); default 32, or derived from --total_batch_size")
@@ -100,9 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("optimization")
     g.add_argument("--num_iterations", type=int, default=4768, help="optimizer steps at most")
-    g.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
-                   help="adamw: NoCap's, on every parameter; muon: torch.optim.Muon on the blocks' weight "
-                        "matrices, AdamW on the rest (--learning_rate for the head, --embed_lr, --scalar_lr)")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="adamw: NoCap's, on every parameter; adamw8bit: the same with 8-bit moments (torchao); "
+                        "lion: Lion (betas 0.9, 0.99) on every parameter; muon: torch.optim.Muon on the blocks' "
+                        "weight matrices, AdamW on the rest (--learning_rate for the head, --embed_lr, --scalar_lr)")
     g.add_argument("--learning_rate", type=float, default=0.0018, help="peak AdamW learning rate")
     g.add_argument("--embed_lr", type=float, default=None,
                    help="--optimizer muon: peak AdamW learning rate of untied input embeddings (default "
@@ -116,14 +124,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="raise Muon's momentum linearly from 0.85 to --muon_momentum over this many steps")
     g.add_argument("--lr_floor", type=float, default=0.0,
                    help="the warmdown ends at this fraction of the peak learning rate (NoCap: 0)")
+    g.add_argument("--lr_schedule", choices=("trapezoid", "one_cycle"), default="trapezoid",
+                   help="trapezoid: NoCap's linear warmup, constant, linear warmdown; one_cycle: a cosine rise "
+                        "from peak/25 over --warmup_iters, then a cosine fall to --lr_floor x peak at "
+                        "--num_iterations (torch's OneCycleLR; --warmdown_iters unused)")
     g.add_argument("--warmup_iters", type=int, default=256, help="linear warmup steps")
     g.add_argument("--warmdown_iters", type=int, default=1024, help="linear decay-to-zero steps at the end")
+    g.add_argument("--layerdrop", type=float, default=0.0,
+                   help="LayerDrop: skip each block but the first with this probability at step 0, falling "
+                        "linearly to 0 at step --layerdrop_iters (full depth after; never at evaluation)")
+    g.add_argument("--layerdrop_iters", type=int, default=0, help="steps over which --layerdrop falls to 0")
     g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay (all parameters)")
     g.add_argument("--seed", type=int, default=0, help="seed for model init")
 
     g = p.add_argument_group("evaluation")
     g.add_argument("--val_loss_every", type=int, default=128, help="evaluate every N steps (0: only at the end)")
     g.add_argument("--val_batch_size", type=int, default=16, help="validation rows per batch per GPU")
+    g.add_argument("--val_sequence_length", type=int, default=None,
+                   help="tokens per validation row (default: NoCap's 1024, or --sequence_length if shorter), so "
+                        "a model trained on longer rows is scored as NoCap scores")
     g.add_argument("--target_val_loss", type=float, default=NOCAP_TARGET_VAL_LOSS,
                    help="stop at the first evaluation at or below this (0 disables)")
     g.add_argument("--overtime_steps", type=int, default=0,
@@ -202,9 +221,23 @@ def check_run_flags(args):
                  "overtime_steps"):
         if getattr(args, name) < 0:
             raise InputError(f"--{name} {getattr(args, name)} must be >= 0")
-    if args.warmup_iters + args.warmdown_iters > args.num_iterations:
+    if args.lr_schedule == "trapezoid" and args.warmup_iters + args.warmdown_iters > args.num_iterations:
         raise InputError(f"--warmup_iters {args.warmup_iters} + --warmdown_iters {args.warmdown_iters} exceed "
                          f"--num_iterations {args.num_iterations}; shorten them or train longer")
+    if args.lr_schedule == "one_cycle" and not 0 < args.warmup_iters < args.num_iterations:
+        raise InputError(f"--lr_schedule one_cycle rises over --warmup_iters steps ({args.warmup_iters}): pass "
+                         f"a number between 1 and --num_iterations {args.num_iterations} - 1")
+    check_curriculum_flags(args)
+    if not 0 <= args.layerdrop < 1:
+        raise InputError(f"--layerdrop {args.layerdrop} is a probability: pass a number in [0, 1)")
+    if (args.layerdrop > 0) != (args.layerdrop_iters > 0):
+        raise InputError("--layerdrop and --layerdrop_iters go together: the probability falls from --layerdrop "
+                         "to 0 over --layerdrop_iters steps; pass both (> 0) or neither")
+    if args.val_sequence_length is not None and args.val_sequence_length < 1:
+        raise InputError(f"--val_sequence_length {args.val_sequence_length} must be >= 1")
+    if args.optimizer == "adamw8bit" and importlib.util.find_spec("torchao") is None:
+        raise InputError("--optimizer adamw8bit: its 8-bit AdamW comes from torchao, which is not installed; "
+                         "pip install torchao, or pick another --optimizer")
     for name in ("learning_rate", "embed_lr", "scalar_lr", "muon_lr", "weight_decay"):
         if getattr(args, name) is not None and not 0 <= getattr(args, name) < math.inf:
             raise InputError(f"--{name} {getattr(args, name)} must be a finite number >= 0")
@@ -218,6 +251,26 @@ def check_run_flags(args):
     if overtime_applies(args) and args.val_loss_every == 0:
         raise InputError(f"--overtime_steps {args.overtime_steps} stops at the first evaluation under the target; "
                          "pass --val_loss_every > 0")
+
+
+def check_curriculum_flags(args):
+    if args.curriculum_start == 0:
+        if args.curriculum_iters:
+            raise InputError("--curriculum_iters needs --curriculum_start (the first row length); pass both or neither")
+        return
+    start, T = args.curriculum_start, args.sequence_length
+    doublings = T // start if 0 < start < T and T % start == 0 else 0
+    if doublings & (doublings - 1) or not doublings:
+        raise InputError(f"--curriculum_start {start} must be --sequence_length {T} halved one or more times "
+                         f"(e.g. {T // 4}), so each stage doubles the rows' length")
+    if not 0 < args.curriculum_iters <= args.num_iterations:
+        raise InputError(f"--curriculum_iters {args.curriculum_iters}: pass the step (1 to --num_iterations "
+                         f"{args.num_iterations}) at which rows reach --sequence_length")
+
+
+def val_row_length(args) -> int:
+    """Validation rows: NoCap's 1024 tokens whatever training's row length, or shorter rows for short models."""
+    return args.val_sequence_length or min(NOCAP_VAL_ROW, args.sequence_length)
 
 
 def overtime_applies(args) -> bool:
@@ -659,11 +712,13 @@ class GPT(nn.Module):
                                           c.logit_softcap, compute_dtype(h), fp8)
         return cross_entropy(self.logits(h), targets)
 
-    def forward(self, idx, targets=None, return_logits=True, cache: KVCache | None = None):
+    def forward(self, idx, targets=None, return_logits=True, cache: KVCache | None = None,
+                drop_blocks: tuple[int, ...] = ()):
         """idx, targets: (B, T) token ids. Returns (logits or None, loss or None, aux). The loss is the
         next-token cross-entropy in eval mode and the training objective (plus weighted MTP and MoE
         terms) in training mode; `aux` holds the terms (detached) for logging, empty in eval mode.
-        With a KV cache, idx continues the cached sequence (decoding)."""
+        With a KV cache, idx continues the cached sequence (decoding). In training mode the blocks in
+        drop_blocks pass the stream through unchanged (LayerDrop); in eval mode every block runs."""
         c = self.config
         B, T = idx.shape
         start = cache.length if cache is not None else 0
@@ -687,7 +742,9 @@ class GPT(nn.Module):
             mirror = c.n_layer - 1 - i  # the encoder block whose output this decoder block receives
             if mirror < n_skips:
                 x = x + self.skip_weights[mirror] * skips[mirror]
-            if c.activation_checkpointing and self.training:
+            if self.training and i in drop_blocks:
+                values, moe = None, None
+            elif c.activation_checkpointing and self.training:
                 x, values, moe = torch.utils.checkpoint.checkpoint(block, x, x0, v0, cos, sin, block_masks,
                                                                    use_reentrant=False)
             else:
@@ -1053,7 +1110,7 @@ class ValidationSet:
                  vocab_size: int, device: torch.device):
         tokens_per_round = B * T * world_size
         if val_tokens % tokens_per_round:
-            raise InputError(f"--val_tokens {val_tokens:,} is not a multiple of val_batch_size*sequence_length"
+            raise InputError(f"--val_tokens {val_tokens:,} is not a multiple of val_batch_size*val_sequence_length"
                              f"*world_size = {tokens_per_round:,}; change --val_tokens or --val_batch_size")
         path = match_shards(pattern, "--input_val_bin")[0]
         available = read_shard_header(path)
@@ -1115,7 +1172,7 @@ class Optimizers:
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
         self.optimizers = optimizers
         for group in self.param_groups:
-            group["peak_lr"] = group["lr"]
+            group["peak_lr"] = float(group["lr"])
 
     @property
     def param_groups(self) -> list[dict]:
@@ -1123,7 +1180,10 @@ class Optimizers:
 
     def set_lr_scale(self, scale: float):
         for group in self.param_groups:
-            group["lr"] = group["peak_lr"] * scale
+            if isinstance(group["lr"], torch.Tensor):  # torchao keeps it a tensor, so that its compiled step stays
+                group["lr"].fill_(group["peak_lr"] * scale)
+            else:
+                group["lr"] = group["peak_lr"] * scale
 
     def set_momentum(self, momentum: float):
         """Muon groups' momentum (AdamW's betas stay as they are)."""
@@ -1185,6 +1245,39 @@ class BatchedMuon(torch.optim.Muon):
         return loss
 
 
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): each coordinate moves by exactly
+    lr in the direction of sign(beta1 * m + (1 - beta1) * g); then m <- beta2 * m + (1 - beta2) * g. Weight decay
+    is decoupled (p <- p * (1 - lr * wd)). One momentum buffer per parameter, half of AdamW's state. Written here
+    rather than taken from a package: the update is these five lines."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            grads = [p.grad for p in params]
+            for p in params:
+                if "exp_avg" not in self.state[p]:
+                    self.state[p]["exp_avg"] = torch.zeros_like(p)
+            momenta = [self.state[p]["exp_avg"] for p in params]
+            updates = torch._foreach_lerp(momenta, grads, 1 - beta1)
+            torch._foreach_sign_(updates)
+            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            torch._foreach_add_(params, updates, alpha=-group["lr"])
+            torch._foreach_lerp_(momenta, grads, 1 - beta2)
+        return loss
+
+
 def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
                   eps: float) -> torch.Tensor:
     """Approximately orthogonalize each matrix of a stack (n, rows, cols) in bf16: scale it to spectral norm
@@ -1217,6 +1310,14 @@ def make_optimizer(model: GPT, args, device: torch.device) -> Optimizers:
     if args.optimizer == "adamw":
         # NoCap: one AdamW group over every parameter, weight decay included on embeddings.
         return Optimizers([torch.optim.AdamW(model.parameters(), lr=args.learning_rate, **adamw)])
+    if args.optimizer == "adamw8bit":
+        # The same, with both moments stored in 8 bits per value (blockwise scales; tensors under 4,096 values
+        # stay fp32), a quarter of AdamW's optimizer memory.
+        from torchao.optim import AdamW8bit  # check_run_flags made sure it is there
+        return Optimizers([AdamW8bit(model.parameters(), lr=args.learning_rate, betas=adamw["betas"],
+                                     weight_decay=args.weight_decay)])
+    if args.optimizer == "lion":
+        return Optimizers([Lion(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)])
     hidden = muon_params(model)
     taken = {id(p) for p in hidden}
     # AdamW groups, each with its own peak: untied input embeddings, then vectors and scalars (gains,
@@ -1245,14 +1346,54 @@ def muon_momentum_at(step: int, args) -> float:
 
 
 def lr_scale(step: int, args) -> float:
-    """NoCap's schedule as a multiplier of each group's peak: linear warmup, constant, then a linear
-    warmdown over the last warmdown_iters steps to lr_floor (NoCap: 0) at num_iterations, where it stays
-    (the overtime steps of a schedule that ended above the target)."""
+    """The learning rate of step `step` as a multiplier of each group's peak. trapezoid (NoCap's): linear
+    warmup, constant, then a linear warmdown over the last warmdown_iters steps to lr_floor (NoCap: 0) at
+    num_iterations, where it stays (the overtime steps of a schedule that ended above the target). one_cycle:
+    torch's OneCycleLR with cosine annealing (no momentum cycling): from 1/25 up to 1 at step warmup_iters - 1,
+    down to lr_floor at step num_iterations - 1, where it stays."""
+    if args.lr_schedule == "one_cycle":
+        peak_step, last_step = args.warmup_iters - 1, args.num_iterations - 1
+        if step <= peak_step:
+            return cosine_between(1 / 25, 1.0, step / peak_step if peak_step else 1.0)
+        return cosine_between(1.0, args.lr_floor, min(1.0, (step - peak_step) / (last_step - peak_step)))
     if step < args.warmup_iters:
         return (step + 1) / args.warmup_iters
     if step < args.num_iterations - args.warmdown_iters:
         return 1.0
     return args.lr_floor + (1 - args.lr_floor) * max(0, args.num_iterations - step) / args.warmdown_iters
+
+
+def cosine_between(start: float, end: float, fraction: float) -> float:
+    """Half a cosine from start (fraction 0) to end (fraction 1)."""
+    return end + (start - end) * (1 + math.cos(math.pi * fraction)) / 2
+
+
+def row_length_at(step: int, args) -> int:
+    """Training row length at `step` under the curriculum: --curriculum_start, doubled at equal intervals, so
+    that --sequence_length is reached at step --curriculum_iters; --sequence_length without a curriculum."""
+    if not args.curriculum_start or step >= args.curriculum_iters:
+        return args.sequence_length
+    stages = (args.sequence_length // args.curriculum_start).bit_length() - 1
+    return args.curriculum_start << (step * stages // args.curriculum_iters)
+
+
+def layerdrop_at(step: int, args) -> float:
+    """LayerDrop's skip probability at `step`: --layerdrop falling linearly to 0 at --layerdrop_iters."""
+    if step >= args.layerdrop_iters:
+        return 0.0
+    return args.layerdrop * (1 - step / args.layerdrop_iters)
+
+
+def blocks_to_drop(step: int, micro_step: int, args, n_layer: int) -> tuple[int, ...]:
+    """The blocks a micro-batch skips: each block but the first independently with layerdrop_at(step). The draw
+    depends only on (seed, step, micro_step), so every process skips the same blocks and a resumed run draws
+    what the uninterrupted one drew."""
+    p = layerdrop_at(step, args)
+    if p == 0:
+        return ()
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1_009 + micro_step)
+    draws = torch.rand(n_layer, generator=generator)
+    return tuple(i for i in range(1, n_layer) if draws[i] < p)
 
 
 # =============================================================================
@@ -1611,6 +1752,9 @@ def check_device_fit(args, config: GPTConfig, env: Distributed):
     if args.sequence_length > config.block_size:
         raise InputError(f"--sequence_length {args.sequence_length} exceeds the model's block_size "
                          f"{config.block_size}; pass --block_size {args.sequence_length} (or more)")
+    if val_row_length(args) > config.block_size:
+        raise InputError(f"--val_sequence_length {val_row_length(args)} exceeds the model's block_size "
+                         f"{config.block_size}; pass a shorter one or --block_size {val_row_length(args)}")
 
 
 def cap_gpu_memory(args, env: Distributed):
@@ -1663,7 +1807,7 @@ def setup_run(args) -> Run:
     if env.world_size > 1:
         dist.barrier()  # every rank has checked the run directory before rank 0 starts writing to it
     train_loader = TokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
-    val = ValidationSet(args.input_val_bin, args.val_tokens, args.val_batch_size, T, env.rank, env.world_size,
+    val = ValidationSet(args.input_val_bin, args.val_tokens, args.val_batch_size, val_row_length(args), env.rank, env.world_size,
                         config.vocab_size, env.device)
 
     torch.manual_seed(args.seed)
@@ -1696,10 +1840,19 @@ def setup_run(args) -> Run:
     if compiled:
         import torch._inductor.config as inductor_config
         inductor_config.coordinate_descent_tuning = args.coordinate_descent_tuning
-    model = torch.compile(raw_model) if compiled else raw_model
+    model = raw_model
+    if compiled and args.layerdrop:
+        # Which blocks run changes with every micro-batch: compiled whole, each new set would be a new graph.
+        # Each block is compiled on its own instead, and the loop over them stays eager.
+        for block in raw_model.transformer.h:
+            block.compile(dynamic=False)
+    elif compiled:
+        model = torch.compile(raw_model, dynamic=False if args.curriculum_start else None)
     if env.world_size > 1:
+        # A skipped block's parameters get no gradient in that micro-batch: DDP must look for them.
         model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+            model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+            find_unused_parameters=args.layerdrop > 0)
     eval_model = model if evaluation_compiles(config, args.val_dtype) else raw_model
     # NoCap: bf16 autocast on CUDA; CPU runs stay in fp32 so tests are exact.
     autocast_ctx = precision(env.device, "bf16" if env.device.type == "cuda" else "fp32")
@@ -1720,20 +1873,25 @@ def setup_run(args) -> Run:
     return run
 
 
-def train_step(run: Run, scale: float) -> tuple[torch.Tensor, dict]:
-    """One optimizer step over the run's micro-batches at `scale` × each group's peak learning rate.
-    Returns the mean next-token loss (a device tensor) and the mean of each auxiliary term the model reports
-    (MTP losses, MoE balance and load)."""
+def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
+    """Optimizer step number step + 1 over the run's micro-batches at `scale` × each group's peak learning rate,
+    with the curriculum's row length and LayerDrop's skipped blocks for that step. Returns the mean next-token
+    loss (a device tensor) and the mean of each auxiliary term the model reports (MTP losses, MoE balance and
+    load)."""
     step_loss = torch.zeros((), device=run.env.device)
     aux_means: dict[str, torch.Tensor] = {}
+    rows = row_length_at(step, run.args)
     for micro_step in range(run.accumulation):
-        x, y = run.train_loader.next_batch()
+        x, y = run.train_loader.next_batch()  # (B, T)
+        if rows != x.size(1):  # the same tokens in the same order as (B * T / rows, rows)
+            x, y = x.reshape(-1, rows), y.reshape(-1, rows)
+        drop = blocks_to_drop(step, micro_step, run.args, run.config.n_layer)
         # DDP all-reduces gradients only on the last micro-batch.
         last = micro_step == run.accumulation - 1
         sync = contextlib.nullcontext() if run.env.world_size == 1 or last else run.model.no_sync()
         with sync:
             with run.autocast_ctx:
-                _, objective, aux = run.model(x, y, return_logits=False)
+                _, objective, aux = run.model(x, y, return_logits=False, drop_blocks=drop)
             (objective / run.accumulation).backward()
         step_loss += aux.pop("next_token_loss") / run.accumulation
         for name, value in aux.items():
@@ -1765,6 +1923,16 @@ def graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
+def warm_up_steps(args) -> list[int]:
+    """The steps the compile warm-up runs: three at step 0, and three more at the first step of each later
+    curriculum stage (each row length is a graph of its own)."""
+    steps = [0]
+    for step in range(1, args.curriculum_iters + 1):
+        if row_length_at(step, args) != row_length_at(step - 1, args):
+            steps.append(step)
+    return [step for step in steps for _ in range(3)]
+
+
 def warm_up_compile(run: Run) -> float:
     """Run a few real training steps and one evaluation so torch.compile builds every graph on the real
     shapes, then put model, optimizer and data back exactly as they were. Returns the seconds spent."""
@@ -1776,8 +1944,8 @@ def warm_up_compile(run: Run) -> float:
     batches_drawn, shard, position = loader.batches_drawn, loader.shard, loader.position
     breaks_before = graph_breaks()
     try:
-        for _ in range(3):
-            train_step(run, 1.0)
+        for step in warm_up_steps(run.args):
+            train_step(run, step, 1.0)
     except torch.OutOfMemoryError:  # the first place a micro-batch too large for the GPU shows
         raise out_of_memory("in the compile warm-up's training steps", loader.B, loader.T) from None
     breaks = graph_breaks() - breaks_before
@@ -1875,7 +2043,7 @@ def timed_step(run: Run, step: int) -> tuple[float, torch.Tensor, dict, float]:
     synchronize(run.env.device)
     t0 = time.perf_counter()
     try:
-        step_loss, aux = train_step(run, scale)
+        step_loss, aux = train_step(run, step, scale)
     except torch.OutOfMemoryError:
         raise out_of_memory(f"in step {step + 1}", args.batch_size, args.sequence_length) from None
     synchronize(run.env.device)

@@ -152,7 +152,7 @@ def test_the_time_left_is_estimated_once_the_steps_settle(tmp_path, shards, caps
 
 
 def test_lr_schedule_is_nocaps():
-    args = Namespace(warmup_iters=4, warmdown_iters=5, num_iterations=20, lr_floor=0.0)
+    args = Namespace(lr_schedule="trapezoid", warmup_iters=4, warmdown_iters=5, num_iterations=20, lr_floor=0.0)
     lrs = [lr_scale(s, args) for s in range(20)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert lrs[4:15] == [1.0] * 11
@@ -160,7 +160,7 @@ def test_lr_schedule_is_nocaps():
 
 
 def test_lr_floor_ends_the_warmdown_above_zero():
-    args = Namespace(warmup_iters=0, warmdown_iters=4, num_iterations=8, lr_floor=0.1)
+    args = Namespace(lr_schedule="trapezoid", warmup_iters=0, warmdown_iters=4, num_iterations=8, lr_floor=0.1)
     assert [lr_scale(s, args) for s in range(8)] == pytest.approx([1, 1, 1, 1, 1, 0.775, 0.55, 0.325])
     assert lr_scale(8, args) == pytest.approx(0.1)  # where the last step would land
 
@@ -262,10 +262,12 @@ def test_total_batch_size_derives_accumulation(tmp_path, shards, capsys):
     assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", "lion", "adamw8bit"])
 def test_resume_from_a_periodic_checkpoint_gives_the_uninterrupted_losses(tmp_path, shards, capsys, monkeypatch,
                                                                            optimizer):
     import train_gpt2
+    if optimizer == "adamw8bit":
+        pytest.importorskip("torchao", reason="--optimizer adamw8bit needs torchao (pip install torchao)")
     monkeypatch.setattr(train_gpt2.os, "remove", lambda path: None)  # keep the step-4 checkpoint around
     extra = ["--optimizer", optimizer, "--lr_floor", "0.1"]
     run(capsys, shards, tmp_path, "straight", "--num_iterations", "8", "--save_every", "4", *extra)
@@ -331,10 +333,10 @@ def test_a_signal_during_the_compile_warm_up_stops_it_at_once(tmp_path, shards, 
     calls = []
     train_step = train_gpt2.train_step
 
-    def signalled_step(run, scale):
+    def signalled_step(run, step, scale):
         calls.append(1)
         os.kill(os.getpid(), signal.SIGTERM)
-        return train_step(run, scale)
+        return train_step(run, step, scale)
     monkeypatch.setattr(train_gpt2, "train_step", signalled_step)
     code, out, _ = run(capsys, shards, tmp_path, "run", "--compile")
     assert code == 143 and len(calls) == 1  # the warm-up's first of 3 steps: it did not run on
@@ -471,6 +473,13 @@ def test_unknown_model_suggests_close_names(tmp_path, shards, capsys):
     (["--overtime_steps", "5", "--target_val_loss", "3", "--lr_floor", "0.1", "--val_loss_every", "0"],
      "pass --val_loss_every > 0"),
     (["--overtime_steps", "-1"], "--overtime_steps -1 must be >= 0"),
+    (["--curriculum_start", "12"], "must be --sequence_length 32 halved one or more times"),
+    (["--curriculum_start", "8"], "--curriculum_iters 0: pass the step"),
+    (["--curriculum_iters", "3"], "--curriculum_iters needs --curriculum_start"),
+    (["--lr_schedule", "one_cycle", "--warmup_iters", "0"], "--lr_schedule one_cycle rises over --warmup_iters"),
+    (["--layerdrop", "1.0", "--layerdrop_iters", "3"], "--layerdrop 1.0 is a probability"),
+    (["--layerdrop", "0.2"], "--layerdrop and --layerdrop_iters go together"),
+    (["--val_sequence_length", "2048"], "--val_sequence_length 2048 exceeds the model's block_size"),
 ])
 def test_bad_flags_give_one_clear_line(tmp_path, shards, capsys, extra, message):
     assert message in _error(capsys, tiny_run_args(shards, tmp_path, "run", *extra))

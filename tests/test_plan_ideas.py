@@ -1,0 +1,197 @@
+"""The training ideas of the user's plans that are flags of the trainer: the sequence-length curriculum, the
+one-cycle learning rate, LayerDrop, Lion, 8-bit AdamW, and validation rows kept at NoCap's length."""
+
+from argparse import Namespace
+import copy
+
+import pytest
+import torch
+
+from conftest import shrink, tiny_run_args, train_losses
+from model_variants import TINY
+from train_gpt2 import (GPT, Lion, blocks_to_drop, build_parser, layerdrop_at, lr_scale, main, row_length_at,
+                        val_row_length, warm_up_steps)
+
+
+def parse(*flags) -> Namespace:
+    return build_parser().parse_args(list(flags))
+
+
+# --- the sequence-length curriculum --------------------------------------------------------------------------
+
+def test_curriculum_doubles_the_row_length_in_equal_stages():
+    args = parse("--curriculum_start", "256", "--curriculum_iters", "150")  # --sequence_length 1024
+    lengths = [row_length_at(step, args) for step in range(200)]
+    assert lengths[:75] == [256] * 75 and lengths[75:150] == [512] * 75 and lengths[150:] == [1024] * 50
+    assert warm_up_steps(args) == [0, 0, 0, 75, 75, 75, 150, 150, 150]  # one graph per row length
+    plain = parse()
+    assert {row_length_at(step, plain) for step in range(100)} == {1024} and warm_up_steps(plain) == [0, 0, 0]
+
+
+def test_curriculum_keeps_each_steps_tokens_and_their_order(tmp_path, shards, capsys, monkeypatch):
+    """The model sees (B*T/L, L) rows holding exactly the tokens, in order, that the run without a curriculum
+    sees as (B, T)."""
+    seen = {}
+    forward = GPT.forward
+
+    def recording_forward(self, idx, targets=None, **kwargs):
+        if self.training:
+            seen.setdefault(run_name, []).append((tuple(idx.shape), idx.flatten().tolist(), targets.flatten().tolist()))
+        return forward(self, idx, targets, **kwargs)
+    monkeypatch.setattr(GPT, "forward", recording_forward)
+    for run_name, extra in (("plain", []), ("curriculum", ["--curriculum_start", "8", "--curriculum_iters", "4"])):
+        assert main(tiny_run_args(shards, tmp_path, run_name, *extra)) == 0
+    capsys.readouterr()
+    plain, curriculum = seen["plain"], seen["curriculum"]
+    # 6 steps x 2 micro-batches of 2 x 32 tokens; stages of 2 steps at 8 and 16 tokens, then 32.
+    assert [shape for shape, _, _ in curriculum] == [(8, 8)] * 4 + [(4, 16)] * 4 + [(2, 32)] * 4
+    assert [shape for shape, _, _ in plain] == [(2, 32)] * 12
+    assert [tokens for _, tokens, _ in curriculum] == [tokens for _, tokens, _ in plain]
+    assert [targets for _, _, targets in curriculum] == [targets for _, _, targets in plain]
+    assert train_losses(tmp_path / "curriculum") != train_losses(tmp_path / "plain")  # shorter context: other losses
+
+
+# --- the one-cycle learning rate ------------------------------------------------------------------------------
+
+def test_one_cycle_is_torchs_one_cycle_lr():
+    steps, warmup, final_div = 50, 15, 1e4
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    reference = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=steps, pct_start=warmup / steps,
+                                                    final_div_factor=final_div, cycle_momentum=False)
+    expected = []
+    for _ in range(steps):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        reference.step()
+    args = Namespace(lr_schedule="one_cycle", warmup_iters=warmup, num_iterations=steps, lr_floor=1 / (25 * final_div))
+    ours = [lr_scale(step, args) for step in range(steps)]
+    assert ours == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert ours[0] == pytest.approx(1 / 25) and ours[warmup - 1] == 1.0
+    assert lr_scale(steps + 7, args) == pytest.approx(args.lr_floor)  # overtime stays at the floor
+
+
+# --- LayerDrop ------------------------------------------------------------------------------------------------
+
+def test_layerdrop_skips_each_block_but_the_first_with_the_scheduled_probability():
+    args = Namespace(layerdrop=0.4, layerdrop_iters=100, seed=0)
+    assert [layerdrop_at(step, args) for step in (0, 25, 50, 99, 100, 5000)] == pytest.approx(
+        [0.4, 0.3, 0.2, 0.004, 0.0, 0.0])
+    draws = [blocks_to_drop(0, micro, args, n_layer=12) for micro in range(3000)]
+    assert not any(0 in drop for drop in draws)  # the first block always runs
+    per_block = [sum(i in drop for drop in draws) / len(draws) for i in range(1, 12)]
+    assert all(abs(rate - 0.4) < 0.04 for rate in per_block), per_block  # 0.4 +- 4.5 standard errors
+    late = [blocks_to_drop(50, micro, args, n_layer=12) for micro in range(3000)]
+    assert sum(map(len, late)) / (3000 * 11) == pytest.approx(0.2, abs=0.01)
+    assert all(blocks_to_drop(100, micro, args, 12) == () for micro in range(50))  # full depth from there
+    assert blocks_to_drop(7, 1, args, 12) == blocks_to_drop(7, 1, args, 12)  # the same on every process, on resume
+
+
+def test_a_dropped_block_passes_the_stream_through_in_training_only():
+    torch.manual_seed(0)
+    config = shrink(TINY, n_layer=4)
+    model = GPT(config)
+    idx = torch.randint(0, config.vocab_size, (2, 16))
+    without_block_2 = copy.deepcopy(model)
+    del without_block_2.transformer.h[2]
+    model.train()
+    without_block_2.train()
+    _, dropped, _ = model(idx, idx, drop_blocks=(2,))
+    _, reference, _ = without_block_2(idx, idx)
+    _, full, _ = model(idx, idx)
+    assert dropped.item() == pytest.approx(reference.item(), rel=1e-6) and dropped.item() != full.item()
+    model.eval()
+    with torch.no_grad():
+        assert model(idx, idx, drop_blocks=(2,))[1].item() == model(idx, idx)[1].item()  # evaluation: every block
+
+
+def test_a_layerdrop_run_skips_the_drawn_blocks(tmp_path, shards, capsys, monkeypatch):
+    import train_gpt2
+    calls = []
+    block_forward = train_gpt2.Block.forward
+
+    def counting_forward(self, *a, **kw):
+        if self.training:
+            calls.append(1)
+        return block_forward(self, *a, **kw)
+    monkeypatch.setattr(train_gpt2.Block, "forward", counting_forward)
+    extra = ["--layerdrop", "0.9", "--layerdrop_iters", "4", "--n_layer", "4", "--val_loss_every", "0"]
+    assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 0
+    capsys.readouterr()
+    args = parse(*extra)
+    expected = sum(4 - len(blocks_to_drop(step, micro, args, 4)) for step in range(6) for micro in range(2))
+    assert len(calls) == expected < 6 * 2 * 4
+
+
+# --- Lion -----------------------------------------------------------------------------------------------------
+
+def test_lion_matches_a_hand_computation():
+    torch.manual_seed(0)
+    start = torch.randn(5, 3)
+    grads = [torch.randn(5, 3) for _ in range(3)]
+    lr, wd, beta1, beta2 = 0.01, 0.5, 0.9, 0.99
+    param = torch.nn.Parameter(start.clone())
+    optimizer = Lion([param], lr=lr, betas=(beta1, beta2), weight_decay=wd)
+    expected, momentum = start.clone(), torch.zeros(5, 3)
+    for grad in grads:
+        param.grad = grad.clone()
+        optimizer.step()
+        direction = torch.sign(beta1 * momentum + (1 - beta1) * grad)
+        expected = expected * (1 - lr * wd) - lr * direction
+        momentum = beta2 * momentum + (1 - beta2) * grad
+        assert torch.allclose(param.detach(), expected, atol=1e-7)
+    assert torch.allclose(optimizer.state[param]["exp_avg"], momentum, atol=1e-8)
+
+
+# --- 8-bit AdamW (torchao) --------------------------------------------------------------------------------------
+
+def test_adamw8bit_follows_adamw_with_8_bit_moments():
+    pytest.importorskip("torchao", reason="--optimizer adamw8bit needs torchao (pip install torchao)")
+    from torchao.optim import AdamW8bit
+    from train_gpt2 import Optimizers
+    torch.manual_seed(0)
+    start = torch.randn(64, 128) * 0.02
+    ours, ref = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    eight_bit = Optimizers([AdamW8bit([ours], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)])
+    adamw = Optimizers([torch.optim.AdamW([ref], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)])
+    for step in range(6):
+        grad = torch.randn(64, 128)
+        ours.grad, ref.grad = grad.clone(), grad.clone()
+        for optimizer in (eight_bit, adamw):
+            optimizer.set_lr_scale(0.5 if step >= 3 else 1.0)  # the schedule reaches the tensor lr torchao keeps
+            optimizer.step()
+    moved = (ref.detach() - start).abs().mean()
+    assert (ours.detach() - ref.detach()).abs().mean() < 0.02 * moved  # quantized moments, the same steps
+    assert eight_bit.param_groups[0]["lr"].item() == pytest.approx(5e-4)
+    state = eight_bit.optimizers[0].state[ours]["exp_avg"]
+    assert state.codes.dtype in (torch.int8, torch.uint8) and state.codes.numel() == ours.numel()
+
+
+def test_a_missing_torchao_is_one_line(tmp_path, shards, capsys, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    assert main(tiny_run_args(shards, tmp_path, "run", "--optimizer", "adamw8bit")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --optimizer adamw8bit: its 8-bit AdamW comes from torchao, which is not installed; "
+                   "pip install torchao, or pick another --optimizer"]
+
+
+# --- validation rows ------------------------------------------------------------------------------------------
+
+def test_validation_rows_stay_at_nocaps_1024_when_training_rows_grow(tmp_path, shards, capsys, monkeypatch):
+    assert val_row_length(parse("--sequence_length", "4096")) == 1024
+    assert val_row_length(parse("--sequence_length", "256")) == 256
+    assert val_row_length(parse("--sequence_length", "4096", "--val_sequence_length", "2048")) == 2048
+    import train_gpt2
+    rows = []
+    init = train_gpt2.ValidationSet.__init__
+
+    def recording_init(self, pattern, val_tokens, B, T, *a):
+        rows.append(T)
+        init(self, pattern, val_tokens, B, T, *a)
+    monkeypatch.setattr(train_gpt2.ValidationSet, "__init__", recording_init)
+    assert main(tiny_run_args(shards, tmp_path, "run", "--val_sequence_length", "16", "--num_iterations", "2",
+                              "--warmdown_iters", "1")) == 0
+    capsys.readouterr()
+    assert rows == [16]
