@@ -259,7 +259,7 @@ def read_json(path: str) -> dict:
 
 def finished(run_dir: str) -> bool:
     path = os.path.join(run_dir, "summary.json")
-    return os.path.exists(path) and read_json(path).get("status") == "completed"
+    return os.path.exists(path) and read_json(path).get("status") in ("completed", "reached_target", "missed_target")
 
 
 def archive(work: str, path: str):

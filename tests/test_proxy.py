@@ -169,3 +169,11 @@ def test_a_spec_whose_shards_never_arrive_fails_after_the_wait(tmp_path, capsys)
     finally:
         del proxy.PROTOCOLS["TINY"]
     assert code == 1 and "failed long: its shards did not arrive" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("status, done", [("completed", True), ("reached_target", True), ("missed_target", True),
+                                          ("interrupted", False), ("diverged", False)])
+def test_a_run_that_stopped_at_the_target_or_ended_above_it_counts_as_finished(tmp_path, status, done):
+    (tmp_path / "summary.json").write_text(json.dumps({"status": status}))
+    assert proxy.finished(str(tmp_path)) is done
+    assert proxy.finished(str(tmp_path / "missing")) is False

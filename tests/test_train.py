@@ -611,8 +611,11 @@ def test_list_models(capsys):
     lines = capsys.readouterr().out.splitlines()[1:]
     rows = {line.split()[0]: line for line in lines if not line.startswith("--model")}
     assert rows.keys() == VARIANTS.keys()
-    assert lines[-1].startswith("--model d12_fast also sets: --optimizer muon")
-    assert lines[-1].endswith(" --no-coordinate_descent_tuning")  # written as the flag is typed
+    recipes = {line.split()[1]: line for line in lines if line.startswith("--model")}
+    assert recipes["d12_fast"].startswith("--model d12_fast also sets: --optimizer muon")
+    assert recipes["d12_fast"].endswith(" --no-coordinate_descent_tuning")  # written as the flag is typed
+    assert recipes["d12_nocap"] == ("--model d12_nocap also sets: --lr_schedule one_cycle --warmup_iters 1430 "
+                                    "--curriculum_start 256 --curriculum_iters 954")
     assert rows["d12"].split()[5:7] == ["123.5M", "123.5M"]  # 50257*768 + 12*12*768^2, all active
     assert rows["d12_moe"].split()[5:7] == ["293.5M", "123.6M"] and "moe_experts=8" in rows["d12_moe"]
     assert rows["d12_gqa"].split()[3] == "4" and rows["d12_gqa"].endswith("n_kv_head=4")
