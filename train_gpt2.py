@@ -1208,6 +1208,14 @@ class Optimizers:
             opt.load_state_dict(opt_state)
 
 
+def closure_loss(closure) -> torch.Tensor | None:
+    """torch.optim's step(closure) contract: re-evaluate the model (with gradients) when given a closure."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class BatchedMuon(torch.optim.Muon):
     """torch.optim.Muon's update (momentum, Nesterov, Newton-Schulz, decoupled weight decay, the
     sqrt(max(1, rows/cols)) learning-rate scale), computed for all matrices of one shape at once.
@@ -1218,10 +1226,7 @@ class BatchedMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             if group["adjust_lr_fn"] not in (None, "original"):
                 raise ValueError(f"BatchedMuon: adjust_lr_fn={group['adjust_lr_fn']!r} is not supported")
@@ -1256,10 +1261,7 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
