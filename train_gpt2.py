@@ -1809,8 +1809,8 @@ def setup_run(args) -> Run:
     if env.world_size > 1:
         dist.barrier()  # every rank has checked the run directory before rank 0 starts writing to it
     train_loader = TokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
-    val = ValidationSet(args.input_val_bin, args.val_tokens, args.val_batch_size, val_row_length(args), env.rank, env.world_size,
-                        config.vocab_size, env.device)
+    val = ValidationSet(args.input_val_bin, args.val_tokens, args.val_batch_size, val_row_length(args), env.rank,
+                        env.world_size, config.vocab_size, env.device)
 
     torch.manual_seed(args.seed)
     raw_model = GPT(config).to(env.device)
