@@ -1576,6 +1576,20 @@ def set_aside_attempt(run_dir: str):
                f"{', '.join(moved)} are kept as *.restarted.*")
 
 
+def import_optimizer_state_classes(path: str, flag: str):
+    """The 8-bit AdamW's moments are torchao tensors: torch.load(weights_only=True) reads them only once
+    torchao, imported, has declared its class safe. A process that never built that optimizer (evaluation,
+    sampling, the proxy's checks) imports it here, when the checkpoint names it."""
+    needed = [name for name in torch.serialization.get_unsafe_globals_in_checkpoint(path)
+              if name.startswith("torchao.")]
+    if not needed:
+        return
+    if importlib.util.find_spec("torchao") is None:
+        raise InputError(f"{flag}: {path} holds 8-bit AdamW state ({needed[0]}), which only torchao can read; "
+                         "pip install torchao")
+    importlib.import_module("torchao.optim")  # registers its state classes with torch.serialization
+
+
 def load_checkpoint(path: str, expected: dict, flag: str = "--resume") -> dict:
     """Load a checkpoint (weights_only: no code from the file runs) after checking it against its SHA-256,
     and check it fits this run. `flag` names the flag that gave the path, for the error line."""
@@ -1586,7 +1600,10 @@ def load_checkpoint(path: str, expected: dict, flag: str = "--resume") -> dict:
                 raise InputError(f"{flag}: {path} does not match its checksum ({os.path.basename(checksum)}): the "
                                  "file is damaged; use an earlier checkpoint or start the run again")
     try:
+        import_optimizer_state_classes(path, flag)
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except InputError:
+        raise
     except Exception as e:  # a torn or foreign file: say which file and stop
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise InputError(f"{flag}: {path} is not a readable checkpoint ({type(e).__name__}: {first_line})") from None
@@ -1845,9 +1862,11 @@ def setup_run(args) -> Run:
     model = raw_model
     if compiled and args.layerdrop:
         # Which blocks run changes with every micro-batch: compiled whole, each new set would be a new graph.
-        # Each block is compiled on its own instead, and the loop over them stays eager.
+        # Each block is compiled on its own instead, and the loop over them stays eager. So is the head's loss:
+        # eager, it would hold a micro-batch's logits in fp32 several times over.
         for block in raw_model.transformer.h:
             block.compile(dynamic=False)
+        raw_model.head_loss = torch.compile(raw_model.head_loss, dynamic=False)
     elif compiled:
         model = torch.compile(raw_model, dynamic=False if args.curriculum_start else None)
     if env.world_size > 1:

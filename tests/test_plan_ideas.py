@@ -3,6 +3,7 @@ one-cycle learning rate, LayerDrop, Lion, 8-bit AdamW, and validation rows kept 
 
 from argparse import Namespace
 import copy
+import shutil
 
 import pytest
 import torch
@@ -123,6 +124,26 @@ def test_a_layerdrop_run_skips_the_drawn_blocks(tmp_path, shards, capsys, monkey
     assert len(calls) == expected < 6 * 2 * 4
 
 
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile on a CPU needs a C++ compiler")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside torch's own compile stack
+def test_a_compiled_layerdrop_run_compiles_each_block_and_the_head_loss_and_trains_like_eager(
+        tmp_path, shards, capsys, monkeypatch):
+    import train_gpt2
+    compiled, real_compile = [], torch.compile
+    monkeypatch.setattr(train_gpt2.torch, "compile", lambda fn, **kw: compiled.append(fn) or real_compile(fn, **kw))
+    extra = ["--layerdrop", "0.5", "--layerdrop_iters", "6", "--val_loss_every", "0"]
+    assert main(tiny_run_args(shards, tmp_path, "eager", "--no-compile", *extra)) == 0
+    assert compiled == []
+    assert main(tiny_run_args(shards, tmp_path, "compiled", "--compile", *extra)) == 0
+    capsys.readouterr()
+    # Not the whole model (a new graph for each set of skipped blocks): each block, and the head's loss.
+    assert [fn.__name__ for fn in compiled] == ["_call_impl"] * TINY.n_layer + ["head_loss"]
+    assert all(isinstance(fn.__self__, train_gpt2.Block) for fn in compiled[:-1])
+    eager, compiled_losses = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
+    assert compiled_losses.keys() == eager.keys() and compiled_losses == pytest.approx(eager, abs=2e-3)
+
+
 # --- Lion -----------------------------------------------------------------------------------------------------
 
 def test_lion_matches_a_hand_computation():
@@ -165,6 +186,38 @@ def test_adamw8bit_follows_adamw_with_8_bit_moments():
     assert eight_bit.param_groups[0]["lr"].item() == pytest.approx(5e-4)
     state = eight_bit.optimizers[0].state[ours]["exp_avg"]
     assert state.codes.dtype in (torch.int8, torch.uint8) and state.codes.numel() == ours.numel()
+
+
+def test_an_8_bit_adamw_checkpoint_loads_where_torchao_was_never_imported(tmp_path, shards, capsys, monkeypatch):
+    # Evaluation, sampling and the proxy's checks load a checkpoint without building its optimizer, so nothing
+    # has imported torchao there, and torch.load(weights_only=True) refuses classes it was not told about.
+    pytest.importorskip("torchao", reason="--optimizer adamw8bit needs torchao (pip install torchao)")
+    import subprocess
+    import sys
+    from conftest import REPO
+    from train_gpt2 import InputError, load_checkpoint
+    assert main(tiny_run_args(shards, tmp_path, "run", "--optimizer", "adamw8bit")) == 0
+    ckpt = str(next((tmp_path / "run").glob("ckpt_*.pt")))
+    program = ("import sys; from train_gpt2 import model_from_checkpoint; assert 'torchao' not in sys.modules; "
+               f"model, ckpt = model_from_checkpoint({ckpt!r}, 'cpu'); "
+               "states = ckpt['optimizer']['optimizers'][0]['state'].values(); "
+               "print(ckpt['step'], *sorted({type(s['exp_avg']).__name__ for s in states}))")
+    done = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["6", "OptimState8bit"]
+
+    # Without torchao: one error line. (This process imported it, which declared its classes safe: undo that.)
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    declared = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        with pytest.raises(InputError, match=r"^--checkpoint: .* holds 8-bit AdamW state \(torchao\..*\), which "
+                                             r"only torchao can read; pip install torchao$"):
+            load_checkpoint(ckpt, expected={}, flag="--checkpoint")
+    finally:
+        torch.serialization.add_safe_globals(declared)
 
 
 def test_a_missing_torchao_is_one_line(tmp_path, shards, capsys, monkeypatch):
