@@ -73,6 +73,10 @@ class GPTConfig:
     x0_mix: bool = False  # each block's input is a*x + b*x0 (x0: the embedding stream), a, b learned from 1, 0
     value_residual: bool = False  # blocks 1.. mix their values with block 0's: v = a*v + b*v0, learned from 1/2, 1/2
     unet_skips: bool = False  # block n_layer-1-i also gets block i's output (i < n_layer/2), weight learned from 1
+    # Value embeddings: this many extra token-embedding tables, each as wide as the values. Table j is blended into
+    # the values of block j and of block n_layer - value_embeds + j (the U-net's mirror pattern), v = a*v + b*e[token],
+    # a and b learned from 1/2, 1/2: the values get token identity back without the stream carrying it.
+    value_embeds: int = 0
     # The residual stream (embedding stream, block outputs, skips) in autocast's dtype (bf16 in GPU training)
     # instead of fp32: every elementwise pass over it (norms, residual adds, mixes) moves half the bytes. No
     # effect without autocast, so fp32 evaluation is unchanged.
@@ -85,7 +89,7 @@ class GPTConfig:
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "block_size", "moe_topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("n_kv_head", "window", "kv_lora_rank", "moe_experts", "mtp_k"):
+        for name in ("n_kv_head", "window", "kv_lora_rank", "moe_experts", "mtp_k", "value_embeds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.n_embd % self.n_head != 0:
@@ -106,6 +110,12 @@ class GPTConfig:
         if self.value_residual and self.kv_lora_rank:
             raise ValueError("value_residual mixes per-head values of grouped attention; MLA (kv_lora_rank > 0) "
                              "has no such values — turn one of them off")
+        if self.value_embeds and self.kv_lora_rank:
+            raise ValueError("value_embeds blends tables into per-head values of grouped attention; MLA (kv_lora_rank "
+                             "> 0) has no such values — turn one of them off")
+        if 2 * self.value_embeds > self.n_layer:
+            raise ValueError(f"value_embeds={self.value_embeds}: each table serves a first block and its mirror among "
+                             f"the last, so at most n_layer // 2 = {self.n_layer // 2}")
         if self.kv_lora_rank:
             if self.n_kv_head not in (0, self.n_head):
                 raise ValueError("MLA (kv_lora_rank > 0) has one latent for all heads; leave n_kv_head at 0")
@@ -159,6 +169,15 @@ class GPTConfig:
         if not indices or indices[0] < 0 or indices[-1] >= self.n_layer:
             raise ValueError(f"moe_layers={self.moe_layers!r}: indices must lie in 0..{self.n_layer - 1}")
         return indices
+
+    def value_embed_table(self, layer: int) -> int | None:
+        """The value-embedding table a block blends into its values, or None: table j serves block j and block
+        n_layer - value_embeds + j."""
+        if layer < self.value_embeds:
+            return layer
+        if layer >= self.n_layer - self.value_embeds:
+            return layer - (self.n_layer - self.value_embeds)
+        return None
 
     def layer_window(self, layer: int) -> int:
         """The attention window of a block: `window` for local (L) layers, 0 (full causal) for global ones."""

@@ -505,9 +505,13 @@ class CausalSelfAttention(Attention):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         # Value residual (ResFormer): blocks after the first blend in block 0's values, starting half-half.
         self.v_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if config.value_residual and layer > 0 else None
+        # A value embedding's rows, blended in the same way (GPTConfig.value_embeds).
+        has_table = config.value_embed_table(layer) is not None
+        self.ve_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if has_table else None
 
-    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None, v0=None):
-        """Returns the attention output and the values used (block 0's feed the value residual)."""
+    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None, v0=None, ve=None):
+        """Returns the attention output and the values used (block 0's feed the value residual). ve: this
+        block's value-embedding rows (B, T, kv width), or None."""
         B, T, C = x.shape
         c = self.config
         q, k, v = self.c_attn(x).split(self.split, dim=2)
@@ -520,6 +524,8 @@ class CausalSelfAttention(Attention):
         v = v.view(B, T, c.kv_heads, c.head_dim)
         if self.v_mix is not None:
             v = self.v_mix[0] * v + self.v_mix[1] * v0
+        if self.ve_mix is not None:
+            v = self.ve_mix[0] * v + self.ve_mix[1] * ve.view_as(v).to(v.dtype)  # the table is fp32 under autocast
         values = v
         return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_masks, cache), values
 
@@ -538,7 +544,7 @@ class LatentAttention(Attention):
         self.c_kv_up = nn.Linear(config.kv_lora_rank, config.n_head * (self.nope_dim + config.head_dim), bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None, v0=None):
+    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None, v0=None, ve=None):
         B, T, C = x.shape
         c = self.config
         q_nope, q_rope = self.c_q(x).view(B, T, c.n_head, c.head_dim).split((self.nope_dim, c.mla_rope_dim), dim=-1)
@@ -643,13 +649,14 @@ class Block(nn.Module):
         # x0 shortcut: the block reads a learned blend of the stream and the embedding, starting at the stream.
         self.x_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if config.x0_mix else None
 
-    def forward(self, x, x0, v0, cos, sin, block_masks=None, cache: KVCache | None = None):
+    def forward(self, x, x0, v0, cos, sin, block_masks=None, cache: KVCache | None = None, ve=None):
         """Returns the new residual stream, the attention values (for the value residual) and, for an
         MoE block, its (aux loss, expert load). x0 is the embedding stream, v0 block 0's values (None in
-        block 0). block_masks maps each attention window in use to its FlexAttention mask (flex only)."""
+        block 0), ve the block's value-embedding rows (or None). block_masks maps each attention window in
+        use to its FlexAttention mask (flex only)."""
         if self.x_mix is not None:
             x = self.x_mix[0] * x + self.x_mix[1] * x0
-        y, values = self.attn(self.norm_attn(x), cos, sin, block_masks, cache, v0)
+        y, values = self.attn(self.norm_attn(x), cos, sin, block_masks, cache, v0, ve)
         x = x + self.attn_scale * y
         if isinstance(self.mlp, MoE):
             y, aux, load = self.mlp(self.norm_mlp(x))
@@ -674,6 +681,9 @@ class GPT(nn.Module):
         if config.pos == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.norm_embed = Norm(config) if config.embed_norm else None
+        # Value embeddings: table j feeds blocks j and n_layer - value_embeds + j (GPTConfig.value_embed_table).
+        self.value_embeds = nn.ModuleList([nn.Embedding(config.vocab_size, config.kv_heads * config.head_dim)
+                                           for _ in range(config.value_embeds)])
         # U-net: block n_layer-1-i adds skip_weights[.] * (block i's output) to its input, for i < n_layer // 2.
         self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2)) if config.unet_skips else None
         self.norm_f = Norm(config)
@@ -737,18 +747,21 @@ class GPT(nn.Module):
         if c.bf16_residual:
             x = x.to(compute_dtype(x))  # the rest of the stream follows: bf16 branches add to bf16
         x0, v0, skips, moe_terms = x, None, [], []
+        value_rows = [table(idx) for table in self.value_embeds]  # (B, T, kv width) each
         n_skips = c.n_layer // 2 if c.unet_skips else 0
         for i, block in enumerate(self.transformer.h):
             mirror = c.n_layer - 1 - i  # the encoder block whose output this decoder block receives
             if mirror < n_skips:
                 x = x + self.skip_weights[mirror] * skips[mirror]
+            table = c.value_embed_table(i)
+            ve = value_rows[table] if table is not None else None
             if self.training and i in drop_blocks:
                 values, moe = None, None
             elif c.activation_checkpointing and self.training:
-                x, values, moe = torch.utils.checkpoint.checkpoint(block, x, x0, v0, cos, sin, block_masks,
+                x, values, moe = torch.utils.checkpoint.checkpoint(block, x, x0, v0, cos, sin, block_masks, None, ve,
                                                                    use_reentrant=False)
             else:
-                x, values, moe = block(x, x0, v0, cos, sin, block_masks, cache)
+                x, values, moe = block(x, x0, v0, cos, sin, block_masks, cache, ve)
             if i == 0 and c.value_residual:
                 v0 = values
             if i < n_skips:
@@ -1322,10 +1335,11 @@ def make_optimizer(model: GPT, args, device: torch.device) -> Optimizers:
         return Optimizers([Lion(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)])
     hidden = muon_params(model)
     taken = {id(p) for p in hidden}
-    # AdamW groups, each with its own peak: untied input embeddings, then vectors and scalars (gains,
+    # AdamW groups, each with its own peak: untied input and value embeddings, then vectors and scalars (gains,
     # mixing weights), then the rest (the head, routers, expert stacks).
     embeddings = [] if model.config.tie_embeddings else [model.transformer.wte.weight]
     embeddings += [model.transformer.wpe.weight] if model.config.pos == "learned" else []
+    embeddings += [table.weight for table in model.value_embeds]
     taken |= {id(p) for p in embeddings}
     scalars = [p for p in model.parameters() if p.ndim < 2 and id(p) not in taken]
     taken |= {id(p) for p in scalars}

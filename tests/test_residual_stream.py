@@ -1,5 +1,5 @@
-"""The residual stream: the x0, value-residual and U-net shortcuts equal their written-out definition and
-reduce to the plain model, the embedding norm, zero-init projections, and the bf16 stream."""
+"""The residual stream: the x0, value-residual, value-embedding and U-net shortcuts equal their written-out
+definition and reduce to the plain model, the embedding norm, zero-init projections, and the bf16 stream."""
 
 
 import pytest
@@ -12,7 +12,8 @@ from train_gpt2 import GPT, causal_mask
 from conftest import cosine
 
 
-SHORTCUTS = dict(embed_norm=True, x0_mix=True, value_residual=True, unet_skips=True, scale_attn_branch=False)
+SHORTCUTS = dict(embed_norm=True, x0_mix=True, value_residual=True, unet_skips=True, value_embeds=2,
+                 scale_attn_branch=False)
 
 
 def test_zero_init_projections_make_every_block_start_as_identity():
@@ -52,9 +53,12 @@ def reference_forward(model: GPT, idx: torch.Tensor) -> torch.Tensor:
             x = block.x_mix[0] * x + block.x_mix[1] * x0
         q, k, v = block.attn.c_attn(rms(x)).split(c.n_embd, dim=-1)
         q, k, v = (t.view(*idx.shape, c.n_head, c.head_dim) for t in (q, k, v))
-        if c.value_residual:
-            v = v if i == 0 else block.attn.v_mix[0] * v + block.attn.v_mix[1] * v0
-            v0 = v if i == 0 else v0
+        if c.value_residual and i > 0:
+            v = block.attn.v_mix[0] * v + block.attn.v_mix[1] * v0
+        if i < c.value_embeds or i >= L - c.value_embeds:  # table i for the first blocks, i - (L - n) for the last
+            table = model.value_embeds[i if i < c.value_embeds else i - (L - c.value_embeds)]
+            v = block.attn.ve_mix[0] * v + block.attn.ve_mix[1] * table(idx).view_as(v)
+        v0 = v if i == 0 else v0
         q, k = rotate(rms(q)), rotate(rms(k))  # qk_norm
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / c.head_dim ** 0.5
         scores = scores.masked_fill(~causal_mask(T, 0, idx.device), float("-inf"))
@@ -81,21 +85,22 @@ def test_shortcut_model_equals_its_written_out_definition():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.ndim == 1)
 
 
-@pytest.mark.parametrize("field", ["x0_mix", "value_residual", "unet_skips"])
-def test_each_shortcut_starts_as_or_reduces_to_the_plain_model(field):
+@pytest.mark.parametrize("field, value", [("x0_mix", True), ("value_residual", True), ("unet_skips", True),
+                                          ("value_embeds", 2)])
+def test_each_shortcut_starts_as_or_reduces_to_the_plain_model(field, value):
     torch.manual_seed(0)
     plain = GPT(with_overrides(TINY, vocab_size=64, n_layer=4)).double()
-    shortcut = GPT(with_overrides(TINY, vocab_size=64, n_layer=4, **{field: True})).double()
+    shortcut = GPT(with_overrides(TINY, vocab_size=64, n_layer=4, **{field: value})).double()
     missing, unexpected = shortcut.load_state_dict(plain.state_dict(), strict=False)
     assert not unexpected and missing
     idx = torch.randint(0, 64, (2, 10))
     if field == "x0_mix":  # starts at (1, 0): the plain stream
         torch.testing.assert_close(shortcut(idx, idx)[0], plain(idx, idx)[0])
-    else:  # value residual (1/2, 1/2) and skips (weight 1) start active; at (1, 0) and 0 they vanish
+    else:  # value residual and embeddings (1/2, 1/2) and skips (weight 1) start active; at (1, 0) and 0 they vanish
         assert not torch.allclose(shortcut(idx, idx)[0], plain(idx, idx)[0])
         with torch.no_grad():
             for name, p in shortcut.named_parameters():
-                if name.endswith("v_mix"):
+                if name.endswith(("v_mix", "ve_mix")):
                     p.copy_(torch.tensor([1.0, 0.0]))
                 if name == "skip_weights":
                     p.zero_()

@@ -72,6 +72,8 @@ def test_every_variant_builds_trains_and_is_causal(name):
     (dict(kv_lora_rank=64, mla_rope_dim=64), "mla_rope_dim=64"),
     (dict(mlp_act="geglu"), "mlp_act='geglu'"),
     (dict(kv_lora_rank=64, value_residual=True), "value_residual"),
+    (dict(kv_lora_rank=64, value_embeds=1), "value_embeds blends tables into per-head values"),
+    (dict(value_embeds=7), "value_embeds=7: each table serves a first block and its mirror .* at most .* = 6"),
 ])
 def test_invalid_variant_fields_explain_themselves(bad, message):
     with pytest.raises(ValueError, match=message):
