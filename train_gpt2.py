@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "stages up to --sequence_length at step --curriculum_iters; every micro-batch keeps its "
                         "tokens and their order (more, shorter rows). 0: off")
     g.add_argument("--curriculum_iters", type=int, default=0, help="steps until rows reach --sequence_length")
+    g.add_argument("--window_start", type=int, default=0,
+                   help="attention-window warmup: the local layers attend within this many tokens first, doubling "
+                        "in equal stages up to the model's --window at step --window_iters; evaluation always uses "
+                        "the full window. 0: off")
+    g.add_argument("--window_iters", type=int, default=0, help="steps until the local window reaches --window")
     g.add_argument("--grad_accumulation_steps", type=int, default=None,
                    help="micro-batches per optimizer step summed over all GPUs (NoCap semantics: divided by "
                         "the number of processes); default 32, or derived from --total_batch_size")
@@ -227,7 +232,7 @@ def check_run_flags(args):
     if args.lr_schedule == "one_cycle" and not 0 < args.warmup_iters < args.num_iterations:
         raise InputError(f"--lr_schedule one_cycle rises over --warmup_iters steps ({args.warmup_iters}): pass "
                          f"a number between 1 and --num_iterations {args.num_iterations} - 1")
-    check_curriculum_flags(args)
+    check_doubling_flags(args, "curriculum", "--sequence_length", args.sequence_length)
     if not 0 <= args.layerdrop < 1:
         raise InputError(f"--layerdrop {args.layerdrop} is a probability: pass a number in [0, 1)")
     if (args.layerdrop > 0) != (args.layerdrop_iters > 0):
@@ -253,19 +258,28 @@ def check_run_flags(args):
                          "pass --val_loss_every > 0")
 
 
-def check_curriculum_flags(args):
-    if args.curriculum_start == 0:
-        if args.curriculum_iters:
-            raise InputError("--curriculum_iters needs --curriculum_start (the first row length); pass both or neither")
+def check_doubling_flags(args, name: str, end_flag: str, end: int):
+    """--<name>_start and --<name>_iters of a schedule that doubles from the start value to `end` (the value of
+    end_flag): both or neither, the start a halving of the end, the last stage reached within the run."""
+    start, iters = getattr(args, f"{name}_start"), getattr(args, f"{name}_iters")
+    if start == 0:
+        if iters:
+            raise InputError(f"--{name}_iters needs --{name}_start (the first stage's value); pass both or neither")
         return
-    start, T = args.curriculum_start, args.sequence_length
-    doublings = T // start if 0 < start < T and T % start == 0 else 0
+    doublings = end // start if 0 < start < end and end % start == 0 else 0
     if doublings & (doublings - 1) or not doublings:
-        raise InputError(f"--curriculum_start {start} must be --sequence_length {T} halved one or more times "
-                         f"(e.g. {T // 4}), so each stage doubles the rows' length")
-    if not 0 < args.curriculum_iters <= args.num_iterations:
-        raise InputError(f"--curriculum_iters {args.curriculum_iters}: pass the step (1 to --num_iterations "
-                         f"{args.num_iterations}) at which rows reach --sequence_length")
+        raise InputError(f"--{name}_start {start} must be {end_flag} {end} halved one or more times "
+                         f"(e.g. {end // 4}), so each stage doubles it")
+    if not 0 < iters <= args.num_iterations:
+        raise InputError(f"--{name}_iters {iters}: pass the step (1 to --num_iterations {args.num_iterations}) "
+                         f"at which the schedule reaches {end_flag}")
+
+
+def check_window_warmup(args, config: GPTConfig):
+    if args.window_start and not config.window:
+        raise InputError(f"--window_start {args.window_start}: --model {args.model} has no local attention "
+                         "layers (window 0) to warm up; pass --window W, or drop --window_start")
+    check_doubling_flags(args, "window", "--window", config.window)
 
 
 def val_row_length(args) -> int:
@@ -481,13 +495,15 @@ class Attention(nn.Module):
         super().__init__()
         self.config, self.layer, self.window = config, layer, config.layer_window(layer)
 
-    def attend(self, q, k, v, block_masks=None, cache: KVCache | None = None) -> torch.Tensor:
-        """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) -> (B, T, n_embd)."""
+    def attend(self, q, k, v, block_masks=None, cache: KVCache | None = None, local_window: int = 0) -> torch.Tensor:
+        """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) -> (B, T, n_embd). local_window,
+        if not 0, replaces a local layer's window (the training-time window warmup)."""
         c = self.config
         if cache is not None:
             y = cached_attention(q, k, v, self.layer, self.window, c.chunked_windows, cache)
         else:
-            y = causal_attention(q, k, v, c.attn_impl, self.window, block_masks and block_masks[self.window],
+            window = local_window if self.window and local_window else self.window
+            y = causal_attention(q, k, v, c.attn_impl, window, block_masks and block_masks[window],
                                  c.chunked_windows)
         B, _, T, _ = q.shape
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, c.n_embd))
@@ -509,7 +525,8 @@ class CausalSelfAttention(Attention):
         has_table = config.value_embed_table(layer) is not None
         self.ve_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if has_table else None
 
-    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None, v0=None, ve=None):
+    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None, v0=None, ve=None,
+                local_window: int = 0):
         """Returns the attention output and the values used (block 0's feed the value residual). ve: this
         block's value-embedding rows (B, T, kv width), or None."""
         B, T, C = x.shape
@@ -527,7 +544,8 @@ class CausalSelfAttention(Attention):
         if self.ve_mix is not None:
             v = self.ve_mix[0] * v + self.ve_mix[1] * ve.view_as(v).to(v.dtype)  # the table is fp32 under autocast
         values = v
-        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_masks, cache), values
+        return (self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_masks, cache, local_window),
+                values)
 
 
 class LatentAttention(Attention):
@@ -544,7 +562,8 @@ class LatentAttention(Attention):
         self.c_kv_up = nn.Linear(config.kv_lora_rank, config.n_head * (self.nope_dim + config.head_dim), bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None, v0=None, ve=None):
+    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None, v0=None, ve=None,
+                local_window: int = 0):
         B, T, C = x.shape
         c = self.config
         q_nope, q_rope = self.c_q(x).view(B, T, c.n_head, c.head_dim).split((self.nope_dim, c.mla_rope_dim), dim=-1)
@@ -558,7 +577,8 @@ class LatentAttention(Attention):
         k = torch.cat([k_nope, k_rope.expand(B, T, c.n_head, c.mla_rope_dim)], dim=-1)
         if c.qk_norm:
             q, k = rms_norm(q, c.norm_eps), rms_norm(k, c.norm_eps)
-        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_masks, cache), None
+        return (self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_masks, cache, local_window),
+                None)
 
 
 def mlp_activation(h: torch.Tensor, act: str) -> torch.Tensor:
@@ -649,14 +669,15 @@ class Block(nn.Module):
         # x0 shortcut: the block reads a learned blend of the stream and the embedding, starting at the stream.
         self.x_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if config.x0_mix else None
 
-    def forward(self, x, x0, v0, cos, sin, block_masks=None, cache: KVCache | None = None, ve=None):
+    def forward(self, x, x0, v0, cos, sin, block_masks=None, cache: KVCache | None = None, ve=None,
+                local_window: int = 0):
         """Returns the new residual stream, the attention values (for the value residual) and, for an
         MoE block, its (aux loss, expert load). x0 is the embedding stream, v0 block 0's values (None in
-        block 0), ve the block's value-embedding rows (or None). block_masks maps each attention window in
-        use to its FlexAttention mask (flex only)."""
+        block 0), ve the block's value-embedding rows (or None), local_window the window warmup's window (0:
+        the model's). block_masks maps each attention window in use to its FlexAttention mask (flex only)."""
         if self.x_mix is not None:
             x = self.x_mix[0] * x + self.x_mix[1] * x0
-        y, values = self.attn(self.norm_attn(x), cos, sin, block_masks, cache, v0, ve)
+        y, values = self.attn(self.norm_attn(x), cos, sin, block_masks, cache, v0, ve, local_window)
         x = x + self.attn_scale * y
         if isinstance(self.mlp, MoE):
             y, aux, load = self.mlp(self.norm_mlp(x))
@@ -723,22 +744,25 @@ class GPT(nn.Module):
         return cross_entropy(self.logits(h), targets)
 
     def forward(self, idx, targets=None, return_logits=True, cache: KVCache | None = None,
-                drop_blocks: tuple[int, ...] = ()):
+                drop_blocks: tuple[int, ...] = (), local_window: int = 0):
         """idx, targets: (B, T) token ids. Returns (logits or None, loss or None, aux). The loss is the
         next-token cross-entropy in eval mode and the training objective (plus weighted MTP and MoE
         terms) in training mode; `aux` holds the terms (detached) for logging, empty in eval mode.
         With a KV cache, idx continues the cached sequence (decoding). In training mode the blocks in
-        drop_blocks pass the stream through unchanged (LayerDrop); in eval mode every block runs."""
+        drop_blocks pass the stream through unchanged (LayerDrop); in eval mode every block runs. A
+        local_window other than 0 replaces the local layers' window (the window warmup; training only)."""
         c = self.config
         B, T = idx.shape
         start = cache.length if cache is not None else 0
         if start + T > c.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size {c.block_size}")
         cos, sin = self.rotary(T, start) if self.rotary is not None else (None, None)
+        local_window = local_window if self.training else 0
         block_masks = None
         if c.attn_impl == "flex" and cache is None:  # one mask per distinct window (local and global layers)
-            block_masks = flex_block_masks(T, sorted({c.layer_window(i) for i in range(c.n_layer)}), idx.device,
-                                           c.chunked_windows)
+            windows = {local_window if c.layer_window(i) and local_window else c.layer_window(i)
+                       for i in range(c.n_layer)}
+            block_masks = flex_block_masks(T, sorted(windows), idx.device, c.chunked_windows)
         x = self.transformer.wte(idx)  # (B, T, n_embd)
         if c.pos == "learned":
             x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
@@ -759,9 +783,9 @@ class GPT(nn.Module):
                 values, moe = None, None
             elif c.activation_checkpointing and self.training:
                 x, values, moe = torch.utils.checkpoint.checkpoint(block, x, x0, v0, cos, sin, block_masks, None, ve,
-                                                                   use_reentrant=False)
+                                                                   local_window, use_reentrant=False)
             else:
-                x, values, moe = block(x, x0, v0, cos, sin, block_masks, cache, ve)
+                x, values, moe = block(x, x0, v0, cos, sin, block_masks, cache, ve, local_window)
             if i == 0 and c.value_residual:
                 v0 = values
             if i < n_skips:
@@ -1384,13 +1408,24 @@ def cosine_between(start: float, end: float, fraction: float) -> float:
     return end + (start - end) * (1 + math.cos(math.pi * fraction)) / 2
 
 
+def doubling_at(step: int, start: int, end: int, iters: int) -> int:
+    """A schedule's value at `step`: `start` doubled at equal intervals so that `end` is reached at step
+    `iters`, and `end` from then on (or throughout, with start 0)."""
+    if not start or step >= iters:
+        return end
+    stages = (end // start).bit_length() - 1
+    return start << (step * stages // iters)
+
+
 def row_length_at(step: int, args) -> int:
-    """Training row length at `step` under the curriculum: --curriculum_start, doubled at equal intervals, so
-    that --sequence_length is reached at step --curriculum_iters; --sequence_length without a curriculum."""
-    if not args.curriculum_start or step >= args.curriculum_iters:
-        return args.sequence_length
-    stages = (args.sequence_length // args.curriculum_start).bit_length() - 1
-    return args.curriculum_start << (step * stages // args.curriculum_iters)
+    """Training row length at `step` under the curriculum (--curriculum_start up to --sequence_length)."""
+    return doubling_at(step, args.curriculum_start, args.sequence_length, args.curriculum_iters)
+
+
+def local_window_at(step: int, args, config: GPTConfig) -> int:
+    """The local layers' attention window at `step` under the window warmup (--window_start up to the
+    model's window)."""
+    return doubling_at(step, args.window_start, config.window, args.window_iters)
 
 
 def layerdrop_at(step: int, args) -> float:
@@ -1830,6 +1865,7 @@ def setup_run(args) -> Run:
     checkpoint if asked, open the logs and compile. Bad input raises InputError before anything is written."""
     check_run_flags(args)
     config = resolve_model_config(args)
+    check_window_warmup(args, config)
     env = setup_distributed(args.device)
     accumulation = resolve_grad_accumulation(args, env.world_size)
     B, T = args.batch_size, args.sequence_length
@@ -1882,7 +1918,8 @@ def setup_run(args) -> Run:
             block.compile(dynamic=False)
         raw_model.head_loss = torch.compile(raw_model.head_loss, dynamic=False)
     elif compiled:
-        model = torch.compile(raw_model, dynamic=False if args.curriculum_start else None)
+        # A graph per row length and window: their few stages are known, and static shapes compile best.
+        model = torch.compile(raw_model, dynamic=False if args.curriculum_start or args.window_start else None)
     if env.world_size > 1:
         # A skipped block's parameters get no gradient in that micro-batch: DDP must look for them.
         model = nn.parallel.DistributedDataParallel(
@@ -1910,12 +1947,13 @@ def setup_run(args) -> Run:
 
 def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
     """Optimizer step number step + 1 over the run's micro-batches at `scale` × each group's peak learning rate,
-    with the curriculum's row length and LayerDrop's skipped blocks for that step. Returns the mean next-token
-    loss (a device tensor) and the mean of each auxiliary term the model reports (MTP losses, MoE balance and
-    load)."""
+    with the curriculum's row length, the window warmup's local window and LayerDrop's skipped blocks for that
+    step. Returns the mean next-token loss (a device tensor) and the mean of each auxiliary term the model
+    reports (MTP losses, MoE balance and load)."""
     step_loss = torch.zeros((), device=run.env.device)
     aux_means: dict[str, torch.Tensor] = {}
     rows = row_length_at(step, run.args)
+    window = local_window_at(step, run.args, run.config)
     for micro_step in range(run.accumulation):
         x, y = run.train_loader.next_batch()  # (B, T)
         if rows != x.size(1):  # the same tokens in the same order as (B * T / rows, rows)
@@ -1926,7 +1964,7 @@ def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
         sync = contextlib.nullcontext() if run.env.world_size == 1 or last else run.model.no_sync()
         with sync:
             with run.autocast_ctx:
-                _, objective, aux = run.model(x, y, return_logits=False, drop_blocks=drop)
+                _, objective, aux = run.model(x, y, return_logits=False, drop_blocks=drop, local_window=window)
             (objective / run.accumulation).backward()
         step_loss += aux.pop("next_token_loss") / run.accumulation
         for name, value in aux.items():
@@ -1958,12 +1996,14 @@ def graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
-def warm_up_steps(args) -> list[int]:
+def warm_up_steps(args, config: GPTConfig) -> list[int]:
     """The steps the compile warm-up runs: three at step 0, and three more at the first step of each later
-    curriculum stage (each row length is a graph of its own)."""
+    stage of the curriculum or the window warmup (each row length and window is a graph of its own)."""
+    def shape(step):
+        return row_length_at(step, args), local_window_at(step, args, config)
     steps = [0]
-    for step in range(1, args.curriculum_iters + 1):
-        if row_length_at(step, args) != row_length_at(step - 1, args):
+    for step in range(1, max(args.curriculum_iters, args.window_iters) + 1):
+        if shape(step) != shape(step - 1):
             steps.append(step)
     return [step for step in steps for _ in range(3)]
 
@@ -1979,7 +2019,7 @@ def warm_up_compile(run: Run) -> float:
     batches_drawn, shard, position = loader.batches_drawn, loader.shard, loader.position
     breaks_before = graph_breaks()
     try:
-        for step in warm_up_steps(run.args):
+        for step in warm_up_steps(run.args, run.config):
             train_step(run, step, 1.0)
     except torch.OutOfMemoryError:  # the first place a micro-batch too large for the GPU shows
         raise out_of_memory("in the compile warm-up's training steps", loader.B, loader.T) from None
