@@ -37,6 +37,11 @@ class GPTConfig:
     # query seeing its own block up to itself, as in Llama 4's local layers): causal attention over the blocks
     # taken as a batch, so SDPA's fused kernels (cuDNN's on an H100) run it, on window/T of full attention's work.
     window_kind: str = "sliding"
+    # Attention only within documents: a position sees the positions since the last doc_token at or before it
+    # (GPT-2's <|endoftext|>, which begins every FineWeb document), as if each document were its own row.
+    # FlexAttention (or manual, the reference): SDPA's fused kernels take no per-document mask.
+    doc_mask: bool = False
+    doc_token: int = 50256
     kv_lora_rank: int = 0  # > 0: multi-head latent attention (DeepSeek MLA) with a latent of this width
     mla_rope_dim: int = 32  # MLA: decoupled rotary dimensions per head (the rest of head_dim is rotary-free)
     qk_norm: bool = False  # parameter-free RMSNorm of each query and key head
@@ -110,6 +115,11 @@ class GPTConfig:
         if self.value_residual and self.kv_lora_rank:
             raise ValueError("value_residual mixes per-head values of grouped attention; MLA (kv_lora_rank > 0) "
                              "has no such values — turn one of them off")
+        if self.doc_mask and self.attn_impl not in ("flex", "manual"):
+            raise ValueError(f"doc_mask needs attn_impl flex (or manual, the reference), not {self.attn_impl!r}: "
+                             "SDPA's fused kernels take no per-document mask")
+        if self.doc_mask and not 0 <= self.doc_token < self.vocab_size:
+            raise ValueError(f"doc_token={self.doc_token} is not a token of the vocabulary (0..{self.vocab_size - 1})")
         if self.value_embeds and self.kv_lora_rank:
             raise ValueError("value_embeds blends tables into per-head values of grouped attention; MLA (kv_lora_rank "
                              "> 0) has no such values — turn one of them off")

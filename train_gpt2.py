@@ -376,30 +376,62 @@ def may_attend(i: torch.Tensor, j: torch.Tensor, window: int, chunked: bool) -> 
     return causal & (i // window == j // window if chunked else i - j < window)
 
 
-def causal_mask(T: int, window: int, device, n_keys: int | None = None, chunked: bool = False) -> torch.Tensor:
+def causal_mask(T: int, window: int, device, n_keys: int | None = None, chunked: bool = False,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
     """(T, n_keys) boolean, may_attend for every query and key. With a KV cache the T queries are the last
-    T of n_keys positions."""
+    T of n_keys positions. With docs (B, T) document numbers, (B, 1, T, T): also only within a document."""
     n_keys = n_keys or T
     i = torch.arange(n_keys - T, n_keys, device=device)[:, None]
     j = torch.arange(n_keys, device=device)[None, :]
-    return may_attend(i, j, window, chunked)
+    mask = may_attend(i, j, window, chunked)
+    if docs is not None:
+        mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
+    return mask
+
+
+def document_ids(idx: torch.Tensor, doc_token: int) -> torch.Tensor:
+    """(B, T) number of each token's document within its row: a new document begins at each doc_token (FineWeb's
+    shards put GPT-2's <|endoftext|> before every document). Counts only tokens at or before a position, so a
+    mask built from it hides nothing a next-token model may see and shows nothing it may not."""
+    return (idx == doc_token).cumsum(dim=-1)
+
+
+@dataclass
+class Masking:
+    """What limits attention in one forward pass besides causality and each layer's own window: the window
+    warmup's local window (0: the model's), each token's document number (doc_mask; None: rows are one
+    stream), and FlexAttention's block mask for each window in use (flex only)."""
+    local_window: int = 0
+    docs: torch.Tensor | None = None
+    block_masks: dict | None = None
+
+    def window(self, layer_window: int) -> int:
+        return self.local_window if layer_window and self.local_window else layer_window
 
 
 _flex_masks: dict = {}
 
 
 @torch.compiler.disable
-def flex_block_masks(T: int, windows, device: torch.device, chunked: bool = False) -> dict:
+def flex_block_masks(T: int, windows, device: torch.device, chunked: bool = False,
+                     docs: torch.Tensor | None = None) -> dict:
     """FlexAttention's block-sparse masks for causal attention, one per window in windows (0: no window;
-    see may_attend for chunked), built eagerly and cached per shape. Kept out of the compiled graph; called
-    once at the top of the forward, where the split it makes is resumable (a call per window inside a loop
-    would not be)."""
+    see may_attend for chunked), built eagerly and cached per shape; with docs (B, T), also within each
+    document, built for this batch. Kept out of the compiled graph; called once at the top of the forward,
+    where the split it makes is resumable (a call per window inside a loop would not be)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def causal_within(window: int):
         def mask_mod(b, h, q, kv):
             return may_attend(q, kv, window, chunked)
         return mask_mod
+    if docs is not None:
+        def within_documents(window: int):
+            def mask_mod(b, h, q, kv):
+                return may_attend(q, kv, window, chunked) & (docs[b, q] == docs[b, kv])
+            return mask_mod
+        return {window: create_block_mask(within_documents(window), docs.size(0), None, T, T, device=device)
+                for window in windows}
     keys = {window: (T, window, chunked and window > 0, str(device)) for window in windows}
     for window, key in keys.items():
         if key not in _flex_masks:
@@ -408,17 +440,19 @@ def flex_block_masks(T: int, windows, device: torch.device, chunked: bool = Fals
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, window: int = 0,
-                     block_mask=None, chunked: bool = False) -> torch.Tensor:
+                     block_mask=None, chunked: bool = False, docs: torch.Tensor | None = None) -> torch.Tensor:
     """The attention seam. q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim) with n_kv_head
     dividing n_head (grouped-query attention); returns (B, n_head, T, head_dim). window and chunked: see
-    may_attend."""
+    may_attend; docs (B, T): document numbers, attention only within a document (flex and manual; the
+    block_mask given must include them)."""
     grouped = k.size(1) != q.size(1)
     if impl == "manual":  # the definition, kept as the reference every fused path is tested against
         if grouped:
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, n_head, T, T)
-        scores = scores.masked_fill(~causal_mask(q.size(-2), window, q.device, chunked=chunked), float("-inf"))
+        mask = causal_mask(q.size(-2), window, q.device, chunked=chunked, docs=docs)
+        scores = scores.masked_fill(~mask, float("-inf"))
         # Softmax in at least fp32 (bf16 scores under autocast), float64 kept for reference checks.
         return scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(dim=-1).type_as(v) @ v
     dense_mask_reason = None
@@ -426,7 +460,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
         if not (q.device.type == "cpu" and q.requires_grad):
             from torch.nn.attention.flex_attention import flex_attention
             if block_mask is None:
-                block_mask = flex_block_masks(q.size(-2), (window,), q.device, chunked)[window]
+                block_mask = flex_block_masks(q.size(-2), (window,), q.device, chunked, docs)[window]
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=grouped)
         dense_mask_reason = "FlexAttention has no backward on CPU"
     elif window and chunked:
@@ -436,7 +470,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
     if dense_mask_reason:  # a dense boolean mask works everywhere, slowly
         notice(f"{dense_mask_reason}; using SDPA with a dense mask (slow)"
                + ("" if impl == "flex" else " — use --attn_impl flex or --window_kind chunked"))
-        mask = causal_mask(q.size(-2), window, q.device, chunked=chunked)
+        mask = causal_mask(q.size(-2), window, q.device, chunked=chunked, docs=docs)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
     if impl == "flash" and q.is_cuda and compute_dtype(q) == torch.float32:
         notice("attn_impl=flash has no fp32 kernel on CUDA; fp32 passes (evaluation) use SDPA's own choice")
@@ -495,16 +529,16 @@ class Attention(nn.Module):
         super().__init__()
         self.config, self.layer, self.window = config, layer, config.layer_window(layer)
 
-    def attend(self, q, k, v, block_masks=None, cache: KVCache | None = None, local_window: int = 0) -> torch.Tensor:
-        """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) -> (B, T, n_embd). local_window,
-        if not 0, replaces a local layer's window (the training-time window warmup)."""
+    def attend(self, q, k, v, masking: Masking | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) -> (B, T, n_embd)."""
         c = self.config
         if cache is not None:
             y = cached_attention(q, k, v, self.layer, self.window, c.chunked_windows, cache)
         else:
-            window = local_window if self.window and local_window else self.window
-            y = causal_attention(q, k, v, c.attn_impl, window, block_masks and block_masks[window],
-                                 c.chunked_windows)
+            masking = masking or Masking()
+            window = masking.window(self.window)
+            y = causal_attention(q, k, v, c.attn_impl, window, masking.block_masks and masking.block_masks[window],
+                                 c.chunked_windows, masking.docs)
         B, _, T, _ = q.shape
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, c.n_embd))
 
@@ -525,8 +559,7 @@ class CausalSelfAttention(Attention):
         has_table = config.value_embed_table(layer) is not None
         self.ve_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if has_table else None
 
-    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None, v0=None, ve=None,
-                local_window: int = 0):
+    def forward(self, x, cos, sin, masking: Masking | None = None, cache: KVCache | None = None, v0=None, ve=None):
         """Returns the attention output and the values used (block 0's feed the value residual). ve: this
         block's value-embedding rows (B, T, kv width), or None."""
         B, T, C = x.shape
@@ -544,8 +577,7 @@ class CausalSelfAttention(Attention):
         if self.ve_mix is not None:
             v = self.ve_mix[0] * v + self.ve_mix[1] * ve.view_as(v).to(v.dtype)  # the table is fp32 under autocast
         values = v
-        return (self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_masks, cache, local_window),
-                values)
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking, cache), values
 
 
 class LatentAttention(Attention):
@@ -562,8 +594,7 @@ class LatentAttention(Attention):
         self.c_kv_up = nn.Linear(config.kv_lora_rank, config.n_head * (self.nope_dim + config.head_dim), bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, block_masks=None, cache: KVCache | None = None, v0=None, ve=None,
-                local_window: int = 0):
+    def forward(self, x, cos, sin, masking: Masking | None = None, cache: KVCache | None = None, v0=None, ve=None):
         B, T, C = x.shape
         c = self.config
         q_nope, q_rope = self.c_q(x).view(B, T, c.n_head, c.head_dim).split((self.nope_dim, c.mla_rope_dim), dim=-1)
@@ -577,8 +608,7 @@ class LatentAttention(Attention):
         k = torch.cat([k_nope, k_rope.expand(B, T, c.n_head, c.mla_rope_dim)], dim=-1)
         if c.qk_norm:
             q, k = rms_norm(q, c.norm_eps), rms_norm(k, c.norm_eps)
-        return (self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_masks, cache, local_window),
-                None)
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking, cache), None
 
 
 def mlp_activation(h: torch.Tensor, act: str) -> torch.Tensor:
@@ -669,15 +699,14 @@ class Block(nn.Module):
         # x0 shortcut: the block reads a learned blend of the stream and the embedding, starting at the stream.
         self.x_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if config.x0_mix else None
 
-    def forward(self, x, x0, v0, cos, sin, block_masks=None, cache: KVCache | None = None, ve=None,
-                local_window: int = 0):
+    def forward(self, x, x0, v0, cos, sin, masking: Masking | None = None, cache: KVCache | None = None, ve=None):
         """Returns the new residual stream, the attention values (for the value residual) and, for an
         MoE block, its (aux loss, expert load). x0 is the embedding stream, v0 block 0's values (None in
-        block 0), ve the block's value-embedding rows (or None), local_window the window warmup's window (0:
-        the model's). block_masks maps each attention window in use to its FlexAttention mask (flex only)."""
+        block 0), ve the block's value-embedding rows (or None), masking what limits attention beyond
+        causality and the layer's window (None: nothing)."""
         if self.x_mix is not None:
             x = self.x_mix[0] * x + self.x_mix[1] * x0
-        y, values = self.attn(self.norm_attn(x), cos, sin, block_masks, cache, v0, ve, local_window)
+        y, values = self.attn(self.norm_attn(x), cos, sin, masking, cache, v0, ve)
         x = x + self.attn_scale * y
         if isinstance(self.mlp, MoE):
             y, aux, load = self.mlp(self.norm_mlp(x))
@@ -750,19 +779,21 @@ class GPT(nn.Module):
         terms) in training mode; `aux` holds the terms (detached) for logging, empty in eval mode.
         With a KV cache, idx continues the cached sequence (decoding). In training mode the blocks in
         drop_blocks pass the stream through unchanged (LayerDrop); in eval mode every block runs. A
-        local_window other than 0 replaces the local layers' window (the window warmup; training only)."""
+        local_window other than 0 replaces the local layers' window (the window warmup; training only).
+        With doc_mask, attention stays within the documents of each row (document_ids)."""
         c = self.config
         B, T = idx.shape
         start = cache.length if cache is not None else 0
         if start + T > c.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size {c.block_size}")
         cos, sin = self.rotary(T, start) if self.rotary is not None else (None, None)
-        local_window = local_window if self.training else 0
-        block_masks = None
+        if cache is not None and c.doc_mask:
+            raise ValueError("doc_mask: the KV cache keeps no document numbers; decode without it (use_cache=False)")
+        masking = Masking(local_window if self.training else 0,
+                          document_ids(idx, c.doc_token) if c.doc_mask else None)
         if c.attn_impl == "flex" and cache is None:  # one mask per distinct window (local and global layers)
-            windows = {local_window if c.layer_window(i) and local_window else c.layer_window(i)
-                       for i in range(c.n_layer)}
-            block_masks = flex_block_masks(T, sorted(windows), idx.device, c.chunked_windows)
+            windows = sorted({masking.window(c.layer_window(i)) for i in range(c.n_layer)})
+            masking.block_masks = flex_block_masks(T, windows, idx.device, c.chunked_windows, masking.docs)
         x = self.transformer.wte(idx)  # (B, T, n_embd)
         if c.pos == "learned":
             x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
@@ -782,10 +813,10 @@ class GPT(nn.Module):
             if self.training and i in drop_blocks:
                 values, moe = None, None
             elif c.activation_checkpointing and self.training:
-                x, values, moe = torch.utils.checkpoint.checkpoint(block, x, x0, v0, cos, sin, block_masks, None, ve,
-                                                                   local_window, use_reentrant=False)
+                x, values, moe = torch.utils.checkpoint.checkpoint(block, x, x0, v0, cos, sin, masking, None, ve,
+                                                                   use_reentrant=False)
             else:
-                x, values, moe = block(x, x0, v0, cos, sin, block_masks, cache, ve, local_window)
+                x, values, moe = block(x, x0, v0, cos, sin, masking, cache, ve)
             if i == 0 and c.value_residual:
                 v0 = values
             if i < n_skips:
@@ -827,12 +858,14 @@ class GPT(nn.Module):
         """Continue idx (B, T) by max_new_tokens tokens. temperature 0 is greedy (argmax); otherwise
         sample from softmax(logits / temperature), restricted to the top_k tokens if given. With
         use_cache the prompt is run once and each new token attends to cached keys/values; without,
-        the whole sequence is re-run for every token (the reference the cache is tested against)."""
+        the whole sequence is re-run for every token (the reference the cache is tested against; and the
+        way a doc_mask model decodes, since the cache keeps no document numbers)."""
         if idx.size(1) + max_new_tokens > self.config.block_size:
             raise ValueError(f"prompt ({idx.size(1)}) + max_new_tokens ({max_new_tokens}) exceeds block_size "
                              f"{self.config.block_size}")
         was_training = self.training
         self.eval()
+        use_cache = use_cache and not self.config.doc_mask
         cache = KVCache(self.config.n_layer) if use_cache else None
         out, step_input = idx, idx
         for _ in range(max_new_tokens):

@@ -165,3 +165,91 @@ def test_qk_norm_makes_attention_invariant_to_query_key_scale():
         for block in model.transformer.h:
             block.attn.c_attn.weight[: 2 * 64] *= 7.0  # scale queries and keys
     torch.testing.assert_close(model(idx, idx)[1], before, rtol=1e-6, atol=1e-6)  # norms compute in fp32
+
+
+# --- attention within documents (doc_mask) ---------------------------------------------------------------------
+
+DOC = 63  # the tiny vocabulary's document token
+
+
+def rows_with_documents(*lengths_per_row) -> torch.Tensor:
+    """Rows of random tokens (none of them DOC) with a DOC at the start of each document after the first."""
+    rows = []
+    for lengths in lengths_per_row:
+        docs = [torch.randint(0, DOC, (n,)) for n in lengths]
+        for doc in docs[1:]:
+            doc[0] = DOC
+        rows.append(torch.cat(docs))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("window, kind", [(0, "sliding"), (8, "chunked")])
+def test_with_doc_mask_a_document_is_scored_as_if_it_were_its_own_row(window, kind):
+    # Rotary attention depends on relative positions only, so a document met mid-row must get the logits it
+    # gets at the start of a row of its own (to the fp32 rotary tables' rounding): nothing before its DOC
+    # token reaches it. (Chunked blocks are aligned to the row: the documents start on block boundaries here.)
+    torch.manual_seed(0)
+    config = with_overrides(TINY, vocab_size=64, n_layer=2, attn_impl="manual", doc_mask=True, doc_token=DOC,
+                            window=window, window_kind=kind, window_pattern="LG" if window else "L")
+    model = GPT(config).double().eval()
+    idx = rows_with_documents((16, 16), (8, 24))
+    logits = model(idx, idx)[0]
+    torch.testing.assert_close(logits[0, 16:], model(idx[:1, 16:], idx[:1, 16:])[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[1, 8:], model(idx[1:, 8:], idx[1:, 8:])[0][0], rtol=1e-5, atol=1e-5)
+    mixed = GPT(with_overrides(config, doc_mask=False)).double().eval()
+    mixed.load_state_dict(model.state_dict())
+    assert not torch.allclose(mixed(idx, idx)[0][0, 16:], logits[0, 16:], atol=1e-3)  # without it, the past leaks in
+    torch.testing.assert_close(mixed(idx, idx)[0][0, :16], logits[0, :16])  # the first document is the same
+
+
+@pytest.mark.parametrize("window, chunked", [(0, False), (8, True), (5, False)])
+def test_flex_and_the_dense_fallback_keep_to_documents_as_manual_does(window, chunked):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 32, 16)
+    k, v = torch.randn(2, 2, 32, 16), torch.randn(2, 2, 32, 16)
+    docs = (rows_with_documents((5, 11, 16), (30, 2)) == DOC).cumsum(-1)
+    expected = causal_attention(q, k, v, "manual", window, chunked=chunked, docs=docs)
+    assert not torch.allclose(expected, causal_attention(q, k, v, "manual", window, chunked=chunked))
+    torch.testing.assert_close(causal_attention(q, k, v, "flex", window, chunked=chunked, docs=docs), expected,
+                               rtol=1e-4, atol=1e-5)
+    q.requires_grad_()  # FlexAttention has no backward on a CPU: the dense fallback, which must keep the documents
+    torch.testing.assert_close(causal_attention(q, k, v, "flex", window, chunked=chunked, docs=docs), expected,
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_a_doc_mask_model_trains_through_flex_as_through_manual_and_decodes_without_the_cache():
+    torch.manual_seed(0)
+    config = with_overrides(TINY, vocab_size=64, doc_mask=True, doc_token=DOC, window=8, window_pattern="LG",
+                            window_kind="chunked", attn_impl="manual")
+    manual = GPT(config).double()
+    flex = GPT(with_overrides(config, attn_impl="flex")).double()
+    flex.load_state_dict(manual.state_dict())
+    idx = rows_with_documents((10, 22), (32,))
+    for model in (manual, flex):
+        model(idx, idx)[1].backward()
+    for a, b in zip(manual.parameters(), flex.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    prompt = rows_with_documents((3, 4))
+    assert torch.equal(manual.generate(prompt, 5, temperature=0),
+                       manual.generate(prompt, 5, temperature=0, use_cache=False))
+    with pytest.raises(ValueError, match="doc_mask: the KV cache keeps no document numbers"):
+        from train_gpt2 import KVCache
+        manual.eval()(prompt, cache=KVCache(config.n_layer))
+
+
+def test_document_ids_count_the_documents_begun_at_or_before_each_position():
+    from train_gpt2 import document_ids
+    idx = torch.tensor([[5, 7, DOC, 1, DOC, DOC, 2], [DOC, 1, 2, 3, 4, 5, 6]])
+    assert document_ids(idx, DOC).tolist() == [[0, 0, 1, 1, 2, 3, 3], [1, 1, 1, 1, 1, 1, 1]]
+
+
+def test_a_doc_mask_run_trains_and_records_the_setting(tmp_path, shards, capsys):
+    import json
+    from conftest import tiny_run_args
+    from train_gpt2 import main
+    extra = ["--doc_mask", "true", "--attn_impl", "flex", "--doc_token", "7", "--window", "8", "--window_kind", "chunked"]
+    assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 0
+    capsys.readouterr()
+    config = json.loads((tmp_path / "run" / "config.json").read_text())["model_config"]
+    assert (config["doc_mask"], config["doc_token"], config["attn_impl"]) == (True, 7, "flex")
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"
