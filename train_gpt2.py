@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "the number of processes); default 32, or derived from --total_batch_size")
     g.add_argument("--total_batch_size", type=int, default=None,
                    help="tokens per optimizer step; derives --grad_accumulation_steps")
+    g.add_argument("--batch_ramp_start", type=int, default=0,
+                   help="batch-size ramp: optimizer steps of this many tokens first (fewer micro-batches, each of "
+                        "the same shape), doubling in equal stages up to the full tokens per step at step "
+                        "--batch_ramp_iters. 0: off")
+    g.add_argument("--batch_ramp_iters", type=int, default=0, help="steps until the ramp reaches the full batch")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--num_iterations", type=int, default=4768, help="optimizer steps at most")
@@ -273,6 +278,14 @@ def check_doubling_flags(args, name: str, end_flag: str, end: int):
     if not 0 < iters <= args.num_iterations:
         raise InputError(f"--{name}_iters {iters}: pass the step (1 to --num_iterations {args.num_iterations}) "
                          f"at which the schedule reaches {end_flag}")
+
+
+def check_batch_ramp(args, accumulation: int, micro_tokens: int):
+    """The ramp's first stage must be whole micro-batches (of micro_tokens over all processes)."""
+    check_doubling_flags(args, "batch_ramp", "the tokens per step", accumulation * micro_tokens)
+    if args.batch_ramp_start % micro_tokens:
+        raise InputError(f"--batch_ramp_start {args.batch_ramp_start} is not a whole number of micro-batches of "
+                         f"{micro_tokens} tokens (batch_size x sequence_length x processes); pick a multiple")
 
 
 def check_window_warmup(args, config: GPTConfig):
@@ -1455,6 +1468,26 @@ def row_length_at(step: int, args) -> int:
     return doubling_at(step, args.curriculum_start, args.sequence_length, args.curriculum_iters)
 
 
+def accumulation_at(step: int, args, accumulation: int, micro_tokens: int) -> int:
+    """Micro-batches per process at `step` under the batch ramp (--batch_ramp_start tokens up to the run's
+    full `accumulation`); micro_tokens: one micro-batch's tokens over all processes."""
+    return doubling_at(step, args.batch_ramp_start // micro_tokens, accumulation, args.batch_ramp_iters)
+
+
+def tokens_through(step: int, args, accumulation: int, micro_tokens: int) -> int:
+    """Training tokens of the first `step` steps over all processes: the sum of accumulation_at, in closed form
+    (stage k of the ramp holds the steps s with k <= s * stages / iters < k + 1)."""
+    start, iters = args.batch_ramp_start // micro_tokens, args.batch_ramp_iters
+    if not start:
+        return step * accumulation * micro_tokens
+    stages = (accumulation // start).bit_length() - 1
+    ramp_steps, micro_batches = min(step, iters), 0
+    for k in range(stages):
+        first, end = -(-k * iters // stages), -(-(k + 1) * iters // stages)
+        micro_batches += (start << k) * max(0, min(end, ramp_steps) - first)
+    return (micro_batches + accumulation * max(0, step - iters)) * micro_tokens
+
+
 def local_window_at(step: int, args, config: GPTConfig) -> int:
     """The local layers' attention window at `step` under the window warmup (--window_start up to the
     model's window)."""
@@ -1527,10 +1560,12 @@ class StepMeter:
             return None  # a GPU without a known peak: n/a, never a guess
         return self.flops_token * tokens_per_s / (self.peak * self.world_size)
 
-    def step(self, seconds: float) -> tuple[float, float | None]:
-        """Record one step's time; its tokens/s and MFU."""
-        self.step_seconds.append(seconds)
-        tokens_per_s = self.tokens_per_step / seconds
+    def step(self, seconds: float, tokens: int) -> tuple[float, float | None]:
+        """Record one step's time and tokens; its tokens/s and MFU. Full steps make the steady median and the
+        eta: the batch ramp's smaller ones aside."""
+        if tokens == self.tokens_per_step:
+            self.step_seconds.append(seconds)
+        tokens_per_s = tokens / seconds
         return tokens_per_s, self.mfu(tokens_per_s)
 
     def peak_mem_mib(self) -> float | None:
@@ -1889,8 +1924,20 @@ class Run:
     evaluated_at_start: bool = False  # the checkpoint resumed from was taken right after an evaluation
 
     @property
+    def micro_tokens(self) -> int:
+        """One micro-batch's tokens over all processes."""
+        return self.args.batch_size * self.args.sequence_length * self.env.world_size
+
+    @property
     def tokens_per_step(self) -> int:
-        return self.args.batch_size * self.args.sequence_length * self.accumulation * self.env.world_size
+        """A full step's tokens (the batch ramp's early steps hold fewer)."""
+        return self.micro_tokens * self.accumulation
+
+    def accumulation_at(self, step: int) -> int:
+        return accumulation_at(step, self.args, self.accumulation, self.micro_tokens)
+
+    def tokens_through(self, step: int) -> int:
+        return tokens_through(step, self.args, self.accumulation, self.micro_tokens)
 
 
 def setup_run(args) -> Run:
@@ -1902,6 +1949,7 @@ def setup_run(args) -> Run:
     env = setup_distributed(args.device)
     accumulation = resolve_grad_accumulation(args, env.world_size)
     B, T = args.batch_size, args.sequence_length
+    check_batch_ramp(args, accumulation, B * T * env.world_size)
     check_device_fit(args, config, env)
     cap_gpu_memory(args, env)
     run_dir = resolve_run_dir(args)
@@ -1980,28 +2028,29 @@ def setup_run(args) -> Run:
 
 def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
     """Optimizer step number step + 1 over the run's micro-batches at `scale` × each group's peak learning rate,
-    with the curriculum's row length, the window warmup's local window and LayerDrop's skipped blocks for that
-    step. Returns the mean next-token loss (a device tensor) and the mean of each auxiliary term the model
+    with the batch ramp's micro-batches, the curriculum's row length, the window warmup's local window and
+    LayerDrop's skipped blocks for that step. Returns the mean next-token loss (a device tensor) and the mean of each auxiliary term the model
     reports (MTP losses, MoE balance and load)."""
     step_loss = torch.zeros((), device=run.env.device)
     aux_means: dict[str, torch.Tensor] = {}
     rows = row_length_at(step, run.args)
     window = local_window_at(step, run.args, run.config)
-    for micro_step in range(run.accumulation):
+    accumulation = run.accumulation_at(step)
+    for micro_step in range(accumulation):
         x, y = run.train_loader.next_batch()  # (B, T)
         if rows != x.size(1):  # the same tokens in the same order as (B * T / rows, rows)
             x, y = x.reshape(-1, rows), y.reshape(-1, rows)
         drop = blocks_to_drop(step, micro_step, run.args, run.config.n_layer)
         # DDP all-reduces gradients only on the last micro-batch.
-        last = micro_step == run.accumulation - 1
+        last = micro_step == accumulation - 1
         sync = contextlib.nullcontext() if run.env.world_size == 1 or last else run.model.no_sync()
         with sync:
             with run.autocast_ctx:
                 _, objective, aux = run.model(x, y, return_logits=False, drop_blocks=drop, local_window=window)
-            (objective / run.accumulation).backward()
-        step_loss += aux.pop("next_token_loss") / run.accumulation
+            (objective / accumulation).backward()
+        step_loss += aux.pop("next_token_loss") / accumulation
         for name, value in aux.items():
-            aux_means[name] = aux_means.get(name, 0) + value.float() / run.accumulation
+            aux_means[name] = aux_means.get(name, 0) + value.float() / accumulation
     run.optimizer.set_lr_scale(scale)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -2136,7 +2185,7 @@ def evaluate_and_record(run: Run, step: int, stop: StopSignal) -> tuple[float | 
                         interrupted=lambda: agree(run.env, stop.signum)[0] > 0)
     eval_s = time.perf_counter() - t0
     if val_loss is not None:
-        run.log.record(step=step, tokens=step * run.tokens_per_step, val_loss=val_loss,
+        run.log.record(step=step, tokens=run.tokens_through(step), val_loss=val_loss,
                        train_time_s=run.train_time_s, eval_s=eval_s)
     return val_loss, eval_s
 
@@ -2266,11 +2315,11 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
 
         step_s, step_loss, aux, lr = timed_step(run, step)
         step = outcome.step = step + 1
-        tokens_per_s, mfu = meter.step(step_s)
+        tokens_per_s, mfu = meter.step(step_s, run.tokens_through(step) - run.tokens_through(step - 1))
         if len(meter.step_seconds) == 10 and step < final_step:  # once the step time has settled
             emit(meter.eta_line(final_step - step))
         train_loss = step_loss.item()
-        log.record(step=step, tokens=step * run.tokens_per_step, train_loss=train_loss, lr=lr,
+        log.record(step=step, tokens=run.tokens_through(step), train_loss=train_loss, lr=lr,
                    step_ms=1000 * step_s, tokens_per_s=tokens_per_s, mfu=mfu, train_time_s=run.train_time_s,
                    peak_mem_mib=meter.peak_mem_mib(), **{name: value.tolist() for name, value in aux.items()})
         if progress is not None:
@@ -2300,7 +2349,7 @@ def finish(run: Run, outcome: Outcome, meter: StepMeter | None, wall_start: floa
     summary = dict(
         status=outcome.status, reached_target=outcome.status == "reached_target", target_val_loss=args.target_val_loss,
         final_val_loss=outcome.final_val_loss, steps=outcome.step,
-        overtime_steps=max(0, outcome.step - args.num_iterations), tokens=outcome.step * run.tokens_per_step,
+        overtime_steps=max(0, outcome.step - args.num_iterations), tokens=run.tokens_through(outcome.step),
         train_time_s=run.train_time_s, compile_s=outcome.compile_s, eval_time_s=outcome.eval_time_s,
         wall_time_s=time.perf_counter() - wall_start, tokens_per_s=tokens_per_s,
         mfu=meter.mfu(tokens_per_s) if meter is not None else None,

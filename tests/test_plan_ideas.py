@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import shrink, tiny_run_args, train_losses
-from model_variants import D12, TINY, VARIANTS, with_overrides
+from model_variants import D12, TINY
 from train_gpt2 import (GPT, Lion, blocks_to_drop, build_parser, layerdrop_at, lr_scale, main, row_length_at,
-                        local_window_at, val_row_length, warm_up_steps)
+                        val_row_length, warm_up_steps)
 
 
 def parse(*flags) -> Namespace:
@@ -50,67 +50,6 @@ def test_curriculum_keeps_each_steps_tokens_and_their_order(tmp_path, shards, ca
     assert [tokens for _, tokens, _ in curriculum] == [tokens for _, tokens, _ in plain]
     assert [targets for _, _, targets in curriculum] == [targets for _, _, targets in plain]
     assert train_losses(tmp_path / "curriculum") != train_losses(tmp_path / "plain")  # shorter context: other losses
-
-
-# --- the attention-window warmup -------------------------------------------------------------------------------
-
-def test_window_warmup_doubles_the_local_window_in_equal_stages():
-    config = VARIANTS["d12_fast"]  # window 256 in three of four layers
-    args = parse("--window_start", "64", "--window_iters", "90")
-    windows = [local_window_at(step, args, config) for step in range(120)]
-    assert windows[:45] == [64] * 45 and windows[45:90] == [128] * 45 and windows[90:] == [256] * 30
-    assert {local_window_at(step, parse(), config) for step in range(100)} == {256}
-    # With a curriculum beside it, a graph for every (row length, window) the run meets:
-    both = parse("--window_start", "64", "--window_iters", "90", "--curriculum_start", "512", "--curriculum_iters", "60")
-    assert warm_up_steps(both, config) == [step for step in (0, 45, 60, 90) for _ in range(3)]
-
-
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("impl", ["manual", "flex"])
-def test_a_local_window_replaces_the_local_layers_window_in_training_only(impl):
-    torch.manual_seed(0)
-    config = with_overrides(TINY, vocab_size=64, n_layer=4, window=16, window_pattern="LG", attn_impl=impl)
-    model = GPT(config)
-    narrow = GPT(with_overrides(config, window=4))
-    narrow.load_state_dict(model.state_dict())
-    idx = torch.randint(0, 64, (2, 32))
-    with torch.no_grad():  # FlexAttention has no backward on a CPU; its masks come from the forward's windows
-        torch.testing.assert_close(model(idx, idx, local_window=4)[1], narrow(idx, idx)[1])
-        assert not torch.allclose(model(idx, idx)[1], narrow(idx, idx)[1])  # the windows matter at this length
-        model.eval()
-        torch.testing.assert_close(model(idx, idx, local_window=4)[1], model(idx, idx)[1])  # evaluation: full window
-
-
-def test_a_window_warmup_run_attends_with_the_scheduled_window(tmp_path, shards, capsys, monkeypatch):
-    import train_gpt2
-    seen = []
-    chunked_attention = train_gpt2.chunked_attention
-
-    def recording(q, k, v, impl, chunk):  # the local layers' path (window_kind chunked)
-        seen.append((torch.is_grad_enabled(), chunk))
-        return chunked_attention(q, k, v, impl, chunk)
-    monkeypatch.setattr(train_gpt2, "chunked_attention", recording)
-    extra = ["--window", "16", "--window_pattern", "LG", "--window_kind", "chunked", "--window_start", "4",
-             "--window_iters", "4", "--val_loss_every", "6"]
-    assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 0
-    capsys.readouterr()
-    # 6 steps x 2 micro-batches through the one local layer; stages of 2 steps at 4 and 8, then 16.
-    assert [chunk for grad, chunk in seen if grad] == [4] * 4 + [8] * 4 + [16] * 4
-    assert {chunk for grad, chunk in seen if not grad} == {16}  # evaluations use the full window
-
-
-def test_window_warmup_flags_are_checked_against_the_model(tmp_path, shards, capsys):
-    def error(*extra):
-        assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 2
-        return capsys.readouterr().err.strip().splitlines()
-    assert error("--window_start", "4", "--window_iters", "2") == [
-        "error: --window_start 4: --model tiny has no local attention layers (window 0) to warm up; pass --window W, "
-        "or drop --window_start"]
-    assert error("--window", "16", "--window_start", "6", "--window_iters", "2") == [
-        "error: --window_start 6 must be --window 16 halved one or more times (e.g. 4), so each stage doubles it"]
-    assert error("--window", "16", "--window_start", "4", "--window_iters", "99") == [
-        "error: --window_iters 99: pass the step (1 to --num_iterations 6) at which the schedule reaches --window"]
-    assert not (tmp_path / "run").exists()
 
 
 # --- the one-cycle learning rate ------------------------------------------------------------------------------

@@ -1,0 +1,129 @@
+"""Schedules over the steps of a run beyond the learning rate: the attention-window warmup and the batch-size
+ramp, each checked for what it schedules, what a run then computes, and its flags' errors."""
+
+import json
+from argparse import Namespace
+
+import pytest
+import torch
+
+from conftest import read_metrics, tiny_run_args
+from model_variants import TINY, VARIANTS, with_overrides
+from train_gpt2 import GPT, accumulation_at, build_parser, local_window_at, main, tokens_through, warm_up_steps
+
+
+def parse(*flags) -> Namespace:
+    return build_parser().parse_args(list(flags))
+
+
+# --- the attention-window warmup -------------------------------------------------------------------------------
+
+def test_window_warmup_doubles_the_local_window_in_equal_stages():
+    config = VARIANTS["d12_fast"]  # window 256 in three of four layers
+    args = parse("--window_start", "64", "--window_iters", "90")
+    windows = [local_window_at(step, args, config) for step in range(120)]
+    assert windows[:45] == [64] * 45 and windows[45:90] == [128] * 45 and windows[90:] == [256] * 30
+    assert {local_window_at(step, parse(), config) for step in range(100)} == {256}
+    # With a curriculum beside it, a graph for every (row length, window) the run meets:
+    both = parse("--window_start", "64", "--window_iters", "90", "--curriculum_start", "512", "--curriculum_iters", "60")
+    assert warm_up_steps(both, config) == [step for step in (0, 45, 60, 90) for _ in range(3)]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("impl", ["manual", "flex"])
+def test_a_local_window_replaces_the_local_layers_window_in_training_only(impl):
+    torch.manual_seed(0)
+    config = with_overrides(TINY, vocab_size=64, n_layer=4, window=16, window_pattern="LG", attn_impl=impl)
+    model = GPT(config)
+    narrow = GPT(with_overrides(config, window=4))
+    narrow.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 64, (2, 32))
+    with torch.no_grad():  # FlexAttention has no backward on a CPU; its masks come from the forward's windows
+        torch.testing.assert_close(model(idx, idx, local_window=4)[1], narrow(idx, idx)[1])
+        assert not torch.allclose(model(idx, idx)[1], narrow(idx, idx)[1])  # the windows matter at this length
+        model.eval()
+        torch.testing.assert_close(model(idx, idx, local_window=4)[1], model(idx, idx)[1])  # evaluation: full window
+
+
+def test_a_window_warmup_run_attends_with_the_scheduled_window(tmp_path, shards, capsys, monkeypatch):
+    import train_gpt2
+    seen = []
+    chunked_attention = train_gpt2.chunked_attention
+
+    def recording(q, k, v, impl, chunk):  # the local layers' path (window_kind chunked)
+        seen.append((torch.is_grad_enabled(), chunk))
+        return chunked_attention(q, k, v, impl, chunk)
+    monkeypatch.setattr(train_gpt2, "chunked_attention", recording)
+    extra = ["--window", "16", "--window_pattern", "LG", "--window_kind", "chunked", "--window_start", "4",
+             "--window_iters", "4", "--val_loss_every", "6"]
+    assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 0
+    capsys.readouterr()
+    # 6 steps x 2 micro-batches through the one local layer; stages of 2 steps at 4 and 8, then 16.
+    assert [chunk for grad, chunk in seen if grad] == [4] * 4 + [8] * 4 + [16] * 4
+    assert {chunk for grad, chunk in seen if not grad} == {16}  # evaluations use the full window
+
+
+def test_window_warmup_flags_are_checked_against_the_model(tmp_path, shards, capsys):
+    def error(*extra):
+        assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 2
+        return capsys.readouterr().err.strip().splitlines()
+    assert error("--window_start", "4", "--window_iters", "2") == [
+        "error: --window_start 4: --model tiny has no local attention layers (window 0) to warm up; pass --window W, "
+        "or drop --window_start"]
+    assert error("--window", "16", "--window_start", "6", "--window_iters", "2") == [
+        "error: --window_start 6 must be --window 16 halved one or more times (e.g. 4), so each stage doubles it"]
+    assert error("--window", "16", "--window_start", "4", "--window_iters", "99") == [
+        "error: --window_iters 99: pass the step (1 to --num_iterations 6) at which the schedule reaches --window"]
+    assert not (tmp_path / "run").exists()
+
+
+# --- the batch-size ramp ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("start, accumulation, iters", [(1, 8, 100), (2, 8, 7), (4, 8, 5), (1, 2, 3), (1, 4, 1000)])
+def test_batch_ramp_doubles_the_micro_batches_and_counts_its_tokens(start, accumulation, iters):
+    micro = 4096
+    args = parse("--batch_ramp_start", str(start * micro), "--batch_ramp_iters", str(iters))
+    counts = [accumulation_at(step, args, accumulation, micro) for step in range(iters + 20)]
+    stages = (accumulation // start).bit_length() - 1
+    assert counts[0] == start and counts[iters:] == [accumulation] * 20
+    assert sorted(set(counts)) == [start << k for k in range(stages + 1)]  # every stage met
+    assert all(b in (a, 2 * a) for a, b in zip(counts, counts[1:]))  # doubling, never shrinking
+    for step in range(iters + 20):
+        assert tokens_through(step, args, accumulation, micro) == micro * sum(counts[:step])
+    plain = parse()
+    assert tokens_through(7, plain, accumulation, micro) == 7 * accumulation * micro
+
+
+def test_a_ramped_run_reads_the_same_tokens_in_fewer_micro_batches_early(tmp_path, shards, capsys, monkeypatch):
+    seen = {}
+    forward = GPT.forward
+
+    def recording_forward(self, idx, targets=None, **kwargs):
+        if self.training:
+            seen.setdefault(run_name, []).append(idx.flatten().tolist())
+        return forward(self, idx, targets, **kwargs)
+    monkeypatch.setattr(GPT, "forward", recording_forward)
+    # 2 x 32 tokens per micro-batch, 4 per full step: steps of 1, 1, 2, 2, then 4 micro-batches.
+    for run_name, extra in (("plain", []), ("ramp", ["--batch_ramp_start", "64", "--batch_ramp_iters", "4"])):
+        assert main(tiny_run_args(shards, tmp_path, run_name, "--grad_accumulation_steps", "4", *extra)) == 0
+    capsys.readouterr()
+    assert len(seen["ramp"]) == 1 + 1 + 2 + 2 + 4 + 4 and len(seen["plain"]) == 6 * 4
+    assert seen["ramp"] == seen["plain"][:len(seen["ramp"])]  # the same data order
+    tokens = {r["step"]: r["tokens"] for r in read_metrics(tmp_path / "ramp") if "train_loss" in r}
+    assert tokens == {1: 64, 2: 128, 3: 256, 4: 384, 5: 640, 6: 896}
+    assert json.loads((tmp_path / "ramp" / "summary.json").read_text())["tokens"] == 896
+
+
+def test_batch_ramp_flags_explain_themselves(tmp_path, shards, capsys):
+    def error(*extra):
+        assert main(tiny_run_args(shards, tmp_path, "run", "--grad_accumulation_steps", "4", *extra)) == 2
+        return capsys.readouterr().err.strip().splitlines()
+    assert error("--batch_ramp_start", "96", "--batch_ramp_iters", "2") == [
+        "error: --batch_ramp_start 96 must be the tokens per step 256 halved one or more times (e.g. 64), so each "
+        "stage doubles it"]
+    assert error("--batch_ramp_start", "32", "--batch_ramp_iters", "2") == [
+        "error: --batch_ramp_start 32 is not a whole number of micro-batches of 64 tokens (batch_size x "
+        "sequence_length x processes); pick a multiple"]
+    assert error("--batch_ramp_iters", "2") == [
+        "error: --batch_ramp_iters needs --batch_ramp_start (the first stage's value); pass both or neither"]
+    assert not (tmp_path / "run").exists()
