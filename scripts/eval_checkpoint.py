@@ -11,7 +11,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import ValidationSet, evaluate, model_from_checkpoint, pick_device, report_input_errors  # noqa: E402
+from train_gpt2 import (NOCAP_VAL_ROW, ValidationSet, evaluate, model_from_checkpoint, pick_device,  # noqa: E402
+                        report_input_errors)
 
 
 def score(model, val_bin: str, val_tokens: int, val_batch_size: int, sequence_length: int, dtype: str = "fp32") -> float:
@@ -28,7 +29,9 @@ def main(argv=None) -> int:
     p.add_argument("--val_bin", required=True, help="glob of validation shards; the first one is scored")
     p.add_argument("--val_tokens", type=int, default=1_048_576, help="tokens scored (a multiple of 16*1024)")
     p.add_argument("--val_batch_size", type=int, default=16)
-    p.add_argument("--sequence_length", type=int, default=None, help="default: the checkpoint's training length")
+    p.add_argument("--sequence_length", type=int, default=None,
+                   help="tokens per validation row; default: the trainer's, NoCap's 1024 (or the training length, "
+                        "if shorter)")
     p.add_argument("--val_dtype", choices=("fp32", "bf16"), default="fp32", help="fp32: NoCap's protocol")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     args = p.parse_args(argv)
@@ -36,7 +39,7 @@ def main(argv=None) -> int:
     def run() -> int:
         model, ckpt = model_from_checkpoint(args.checkpoint, pick_device(args.device))
         loss = score(model, args.val_bin, args.val_tokens, args.val_batch_size,
-                     args.sequence_length or ckpt["sequence_length"], args.val_dtype)
+                     args.sequence_length or min(NOCAP_VAL_ROW, ckpt["sequence_length"]), args.val_dtype)
         print(f"val_loss: {loss:.6f}")
         return 0
 

@@ -238,14 +238,16 @@ def score_checks(protocol: Protocol, run_dir: str, data: str) -> dict:
     scored in this process: one model load for all the shards, no interpreter start per shard."""
     import torch
     from eval_checkpoint import score
-    from train_gpt2 import model_from_checkpoint, pick_device
+    from train_gpt2 import model_from_checkpoint, pick_device, val_row_length
     checkpoints = sorted(f for f in os.listdir(run_dir) if f.startswith("ckpt_") and f.endswith(".pt"))
     present = [(shard, tokens) for shard, tokens in protocol.checks if os.path.exists(os.path.join(data, shard))]
     if not checkpoints or not present:
         return {}
-    val_batch_size = read_json(os.path.join(run_dir, "config.json"))["args"]["val_batch_size"]
-    model, ckpt = model_from_checkpoint(os.path.join(run_dir, checkpoints[-1]), pick_device("auto"))
-    scores = {shard: score(model, os.path.join(data, shard), tokens, val_batch_size, ckpt["sequence_length"])
+    run_args = argparse.Namespace(**read_json(os.path.join(run_dir, "config.json"))["args"])
+    model, _ = model_from_checkpoint(os.path.join(run_dir, checkpoints[-1]), pick_device("auto"))
+    # The rows the run's own validation used (NoCap's 1024 tokens unless it asked otherwise), whatever its
+    # training rows: a run trained on longer rows is scored on the checks like every other.
+    scores = {shard: score(model, os.path.join(data, shard), tokens, run_args.val_batch_size, val_row_length(run_args))
               for shard, tokens in present}
     del model
     torch.cuda.empty_cache()

@@ -177,3 +177,22 @@ def test_a_run_that_stopped_at_the_target_or_ended_above_it_counts_as_finished(t
     (tmp_path / "summary.json").write_text(json.dumps({"status": status}))
     assert proxy.finished(str(tmp_path)) is done
     assert proxy.finished(str(tmp_path / "missing")) is False
+
+
+def test_the_checks_are_scored_on_the_runs_validation_rows(tmp_path, shards, capsys):
+    # A run's FineWeb checks use its validation row length (NoCap's 1024 unless asked otherwise), never its
+    # training rows: runs trained on longer rows stay comparable with the rest.
+    import shutil
+    from conftest import tiny_run_args
+    from eval_checkpoint import score
+    from train_gpt2 import main, model_from_checkpoint
+    assert main(tiny_run_args(shards, tmp_path, "run", "--val_sequence_length", "16", "--val_tokens", "256")) == 0
+    capsys.readouterr()
+    run_dir, data = tmp_path / "run", tmp_path / "checks"
+    data.mkdir()
+    shutil.copy(tmp_path / "data" / "syn_val_000000.bin", data / "fwtextfixer_val_000000.bin")  # shards' val shard
+    checks = proxy.score_checks(tiny_protocol(), str(run_dir), str(data))
+    model, _ = model_from_checkpoint(str(next(run_dir.glob("ckpt_*.pt"))), "cpu")
+    check = str(data / "fwtextfixer_val_000000.bin")
+    assert checks == {"fwtextfixer_val_000000.bin": score(model, check, 256, 2, 16)}
+    assert checks["fwtextfixer_val_000000.bin"] != score(model, check, 256, 2, 32)  # the training rows differ
