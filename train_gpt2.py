@@ -1163,6 +1163,12 @@ class TokenLoader:
             shard, position = (shard + 1) % len(self.files), self.rank * self.B * self.T
         return shard, position
 
+    def sample_rows(self, n: int) -> torch.Tensor:
+        """Up to n rows of T tokens from the start of the current shard, on the CPU: a look at the data (the
+        lengths of its documents), not a batch; the walk does not move."""
+        rows = min(n, self.shard_tokens[self.shard] // self.T)
+        return torch.from_numpy(self.tokens[: rows * self.T].astype(np.int64)).view(rows, self.T)
+
     def skip(self, n_batches: int):
         shard, position = self.shard, self.position
         for _ in range(n_batches):
@@ -1535,21 +1541,42 @@ def peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
-def flops_per_token(model: GPT, seq_len: int) -> float:
+def flops_per_token(model: GPT, seq_len: int, sample: torch.Tensor | None = None) -> float:
     """Training FLOPs per token, PaLM convention: 6 per matmul parameter (forward + backward) plus
     attention's QK^T and AV, 12 * T * n_embd per layer, where a local layer's T is its window (at most the
-    sequence): a chunked or sliding window does that much less attention work, and MFU should not count it."""
+    sequence): a chunked or sliding window does that much less attention work, and MFU should not count it.
+    Under doc_mask, T is the mean range within documents over `sample`, rows of training tokens (seq_len
+    long); without a sample, the row's."""
     c = model.config
-    spans = (min(c.layer_window(layer) or seq_len, seq_len) for layer in range(c.n_layer))
+    if c.doc_mask and sample is not None:
+        spans = (mean_attention_span(sample, c.layer_window(layer), c.chunked_windows, c.doc_token)
+                 for layer in range(c.n_layer))
+    else:
+        spans = (min(c.layer_window(layer) or seq_len, seq_len) for layer in range(c.n_layer))
     return 6 * model.matmul_params() + 12 * sum(spans) * c.n_embd
+
+
+def mean_attention_span(rows: torch.Tensor, window: int, chunked: bool, doc_token: int) -> float:
+    """The range one layer's attention covers per token under doc_mask, averaged over rows (R, T), counted
+    whole as flops_per_token counts it: the token's document within its row, cut to the window (sliding: at
+    most `window` positions; chunked: the part in the token's aligned block)."""
+    R, T = rows.shape
+    group = document_ids(rows, doc_token)
+    if window and chunked:
+        group = group * (T // window + 1) + torch.arange(T) // window  # a document's part in one block
+    # Groups are runs along each row (the key never decreases), so each run's length is its group's size.
+    row_offset = torch.arange(R)[:, None] * (group.max() + 1)
+    _, sizes = torch.unique_consecutive((group + row_offset).flatten(), return_counts=True)
+    reach = sizes.clamp(max=window) if window and not chunked else sizes
+    return (sizes * reach).sum().item() / (R * T)
 
 
 class StepMeter:
     """Throughput of the optimizer steps: tokens/s and MFU of each, peak memory, and the steady-state median
     the summary reports (steps after the 10th: compile stragglers and allocator warm-up stay out)."""
 
-    def __init__(self, model: GPT, seq_len: int, env, tokens_per_step: int):
-        self.flops_token, self.peak = flops_per_token(model, seq_len), peak_flops(env.device)
+    def __init__(self, model: GPT, seq_len: int, env, tokens_per_step: int, sample: torch.Tensor | None = None):
+        self.flops_token, self.peak = flops_per_token(model, seq_len, sample), peak_flops(env.device)
         self.device, self.world_size, self.tokens_per_step = env.device, env.world_size, tokens_per_step
         self.step_seconds: list[float] = []  # this process's steps (a resumed run counts from the resume)
         if self.device.type == "cuda":
@@ -2251,7 +2278,8 @@ def train(args) -> int:
                 outcome.status = "interrupted"
                 run.log.print(f"received signal {e.args[0]} during the compile warm-up: stopping, nothing trained")
             if outcome.status != "interrupted":
-                meter = StepMeter(run.raw_model, args.sequence_length, run.env, run.tokens_per_step)
+                sample = run.train_loader.sample_rows(64) if run.config.doc_mask else None  # documents' lengths
+                meter = StepMeter(run.raw_model, args.sequence_length, run.env, run.tokens_per_step, sample)
                 train_loop(run, stop, outcome, meter)
         finish(run, outcome, meter, wall_start)
     finally:

@@ -105,6 +105,17 @@ def test_starting_over_after_the_last_shard_is_said_once(tmp_path, capsys):
     assert "notice" not in capsys.readouterr().err
 
 
+def test_a_sample_of_rows_is_the_shards_start_and_leaves_the_walk_alone(tmp_path):
+    train_glob, _ = make_shards(tmp_path, n_train=1, train_tokens=100)
+    loader = TokenLoader(train_glob, 2, 16, 0, 1, 256, CPU)
+    first = loader.next_batch()[0]
+    shard = load_shard(str(tmp_path / "syn_train_000001.bin"), 256).astype(np.int64)
+    rows = loader.sample_rows(64)  # only 6 whole rows of 16 in 100 tokens
+    assert rows.shape == (6, 16) and torch.equal(rows.flatten(), torch.from_numpy(shard[:96]))
+    assert (loader.batches_drawn, loader.position) == (1, 32)
+    assert not torch.equal(loader.next_batch()[0], first)
+
+
 def test_skip_replays_the_walk(tmp_path):
     train_glob, _ = make_shards(tmp_path, n_train=2, train_tokens=500)
     walked = TokenLoader(train_glob, 2, 16, 1, 2, 256, CPU)

@@ -70,6 +70,24 @@ def test_flops_count_the_attention_local_layers_do():
     assert flops_per_token(local, 128) == flops_per_token(full, 128)  # a window past the sequence changes nothing
 
 
+def test_under_doc_mask_the_flops_count_attention_within_documents():
+    from train_gpt2 import mean_attention_span
+    D = 9  # a row of 8: documents of 2, 4 and 2 tokens
+    rows = torch.tensor([[1, 2, D, 3, 4, 5, D, 6], [1, 2, 3, 4, 5, 6, 7, 8]])
+    assert mean_attention_span(rows[:1], 0, False, D) == (2 * 2 + 4 * 4 + 2 * 2) / 8  # the whole document
+    assert mean_attention_span(rows[:1], 3, False, D) == (2 * 2 + 4 * 3 + 2 * 2) / 8  # sliding: at most 3
+    assert mean_attention_span(rows[:1], 4, True, D) == 2  # chunked: each document's part of a 4-block
+    assert [mean_attention_span(rows[1:], w, chunked, D) for w, chunked in ((0, False), (3, False), (4, True))] == [
+        8, 3, 4]  # one document per row: the row's (or the window's) range, as without doc_mask
+    assert mean_attention_span(rows, 0, False, D) == (3 + 8) / 2
+    with torch.device("meta"):
+        plain = GPT(with_overrides(TINY, vocab_size=16, block_size=8))
+        masked = GPT(with_overrides(TINY, vocab_size=16, block_size=8, doc_mask=True, doc_token=D, attn_impl="flex"))
+    d, L = 64, 2
+    assert flops_per_token(masked, 8, rows[:1]) == flops_per_token(plain, 8) - 12 * L * (8 - 3) * d
+    assert flops_per_token(plain, 8, rows[:1]) == flops_per_token(plain, 8)  # documents matter only under doc_mask
+
+
 def test_init_is_pytorch_default():
     torch.manual_seed(0)
     model = GPT(D12)
