@@ -642,26 +642,19 @@ def test_summary_block_formats_missing_values_as_na():
 def test_eval_checkpoint_scores_like_the_trainer(tmp_path, shards, capsys):
     sys.path.insert(0, str(REPO / "scripts"))
     import eval_checkpoint
-    assert main(tiny_run_args(shards, tmp_path)) == 0
-    final = json.loads((tmp_path / "run" / "summary.json").read_text())["final_val_loss"]
-    capsys.readouterr()
-    ckpt = str(next((tmp_path / "run").glob("ckpt_*.pt")))
-    assert eval_checkpoint.main(["--checkpoint", ckpt, "--val_bin", shards[1], "--val_tokens", "256",
-                                 "--val_batch_size", "2", "--device", "cpu"]) == 0
-    assert capsys.readouterr().out.strip() == f"val_loss: {final:.6f}"
+    # The second run trained on rows longer than NoCap's 1024: scored on 1024-token rows, as the trainer scored it.
+    long_rows = ["--block_size", "2048", "--sequence_length", "2048", "--batch_size", "1", "--val_batch_size", "1"]
+    for name, extra, val_tokens, val_batch in (("run", [], "256", "2"), ("long", long_rows, "2048", "1")):
+        assert main(tiny_run_args(shards, tmp_path, name, *extra, "--val_tokens", val_tokens)) == 0
+        final = json.loads((tmp_path / name / "summary.json").read_text())["final_val_loss"]
+        capsys.readouterr()
+        ckpt = str(next((tmp_path / name).glob("ckpt_*.pt")))
+        assert eval_checkpoint.main(["--checkpoint", ckpt, "--val_bin", shards[1], "--val_tokens", val_tokens,
+                                     "--val_batch_size", val_batch, "--device", "cpu"]) == 0
+        assert capsys.readouterr().out.strip() == f"val_loss: {final:.6f}"
     assert eval_checkpoint.main(["--checkpoint", ckpt, "--val_bin", shards[1], "--val_tokens", "250",
                                  "--device", "cpu"]) == 2
     assert capsys.readouterr().err.startswith("error: --val_tokens 250 is not a multiple")
-    # Trained on rows longer than NoCap's 1024, a model is scored on 1024-token rows, as the trainer scored it.
-    long_rows = ["--block_size", "2048", "--sequence_length", "2048", "--batch_size", "1", "--val_batch_size", "1",
-                 "--val_tokens", "2048"]
-    assert main(tiny_run_args(shards, tmp_path, "long", *long_rows)) == 0
-    final = json.loads((tmp_path / "long" / "summary.json").read_text())["final_val_loss"]
-    capsys.readouterr()
-    ckpt = str(next((tmp_path / "long").glob("ckpt_*.pt")))
-    assert eval_checkpoint.main(["--checkpoint", ckpt, "--val_bin", shards[1], "--val_tokens", "2048",
-                                 "--val_batch_size", "1", "--device", "cpu"]) == 0
-    assert capsys.readouterr().out.strip() == f"val_loss: {final:.6f}"
 
 
 def test_wandb_is_only_imported_when_asked_for(tmp_path, shards, capsys, monkeypatch):
