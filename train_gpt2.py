@@ -2056,8 +2056,8 @@ def setup_run(args) -> Run:
 def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
     """Optimizer step number step + 1 over the run's micro-batches at `scale` × each group's peak learning rate,
     with the batch ramp's micro-batches, the curriculum's row length, the window warmup's local window and
-    LayerDrop's skipped blocks for that step. Returns the mean next-token loss (a device tensor) and the mean of each auxiliary term the model
-    reports (MTP losses, MoE balance and load)."""
+    LayerDrop's skipped blocks for that step. Returns the mean next-token loss (a device tensor) and the mean
+    of each auxiliary term the model reports (MTP losses, MoE balance and load)."""
     step_loss = torch.zeros((), device=run.env.device)
     aux_means: dict[str, torch.Tensor] = {}
     rows = row_length_at(step, run.args)
