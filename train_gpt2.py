@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="glob of validation shards; the first --val_tokens tokens of the first one are scored")
     g.add_argument("--val_tokens", type=int, default=NOCAP_VAL_TOKENS,
                    help="validation tokens per evaluation; keep the default to compare with NoCap-Test")
+    g.add_argument("--bos_align", type=_parse_bool, default=False,
+                   help="begin every training row at a document start (--doc_token), skipping the rest of a "
+                        "document cut at a row's end: more shards are read for the same training tokens")
 
     add_model_flags(p)
     p.add_argument("--list_models", action="store_true", help="print the registered variants and exit")
@@ -238,6 +241,9 @@ def check_run_flags(args):
         raise InputError(f"--lr_schedule one_cycle rises over --warmup_iters steps ({args.warmup_iters}): pass "
                          f"a number between 1 and --num_iterations {args.num_iterations} - 1")
     check_doubling_flags(args, "curriculum", "--sequence_length", args.sequence_length)
+    if args.bos_align and args.curriculum_start:
+        raise InputError(f"--bos_align with --curriculum_start {args.curriculum_start}: the curriculum cuts each "
+                         "row into shorter ones, which would not begin at documents; drop one of them")
     if not 0 <= args.layerdrop < 1:
         raise InputError(f"--layerdrop {args.layerdrop} is a probability: pass a number in [0, 1)")
     if (args.layerdrop > 0) != (args.layerdrop_iters > 0):
@@ -1124,6 +1130,12 @@ def match_shards(pattern: str, flag: str) -> list[str]:
     return files
 
 
+def to_device(tokens: np.ndarray, device: torch.device) -> torch.Tensor:
+    """uint16 tokens as an int64 tensor on the device (through pinned memory, without waiting, on a GPU)."""
+    t = torch.from_numpy(tokens.astype(np.int64))
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class TokenLoader:
     """NoCap's DistributedDataLoader: every process walks the shards in sorted order; rank r reads
     contiguous windows of B*T+1 tokens at offsets r*B*T, (world+r)*B*T, ...; a shard is left as soon
@@ -1142,13 +1154,22 @@ class TokenLoader:
             # Every shard's token range before step 0 (memory-mapped: read once, never held), so a bad shard
             # late in the list stops the run now, not hours in.
             check_token_range(path, np.memmap(path, np.uint16, "r", HEADER_BYTES, (n_tokens,)), vocab_size)
-            if n_tokens < world_size * B * T + 1:
-                raise InputError(f"{path}: {n_tokens:,} tokens is fewer than one batch round "
-                                 f"(world_size*B*T+1 = {world_size * B * T + 1:,}); lower --batch_size "
-                                 "or --sequence_length")
+        for shard in range(len(self.files)):
+            self._check_room(shard)
         self.total_tokens = sum(self.shard_tokens)
         self.batches_drawn = 0
-        self._set_position(0, rank * B * T)
+        self._set_position(0, self._first_position(0))
+
+    def _check_room(self, shard: int):
+        """A shard too short for one round of batches would be left before it is read: refuse it."""
+        round_tokens = self.world_size * self.B * self.T + 1
+        if self.shard_tokens[shard] < round_tokens:
+            raise InputError(f"{self.files[shard]}: {self.shard_tokens[shard]:,} tokens is fewer than one batch round "
+                             f"(world_size*B*T+1 = {round_tokens:,}); lower --batch_size or --sequence_length")
+
+    def _first_position(self, shard: int) -> int:
+        """Where this process's first window in a shard begins."""
+        return self.rank * self.B * self.T
 
     def _set_position(self, shard: int, position: int):
         if getattr(self, "shard", None) != shard:
@@ -1160,7 +1181,8 @@ class TokenLoader:
         stride = self.B * self.T * self.world_size
         position += stride
         if position + stride + 1 > self.shard_tokens[shard]:
-            shard, position = (shard + 1) % len(self.files), self.rank * self.B * self.T
+            shard = (shard + 1) % len(self.files)
+            position = self._first_position(shard)
         return shard, position
 
     def sample_rows(self, n: int) -> torch.Tensor:
@@ -1176,18 +1198,85 @@ class TokenLoader:
         self._set_position(shard, position)
         self.batches_drawn += n_batches
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's (inputs, targets) at the current position, on the device."""
         B, T = self.B, self.T
-        window = torch.from_numpy(self.tokens[self.position: self.position + B * T + 1].astype(np.int64))
-        if self.device.type == "cuda":
-            window = window.pin_memory().to(self.device, non_blocking=True)
+        window = to_device(self.tokens[self.position: self.position + B * T + 1], self.device)
+        return window[:-1].view(B, T), window[1:].view(B, T)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self._read_batch()
         shard, position = self._advance(self.shard, self.position)
         if (shard, position) < (self.shard, self.position):  # back at the start: the same tokens again
             notice(f"{self.flag}: all {len(self.files)} shards ({self.total_tokens:,} tokens) have been read; "
                    "starting over from the first (more shards: python data/fineweb.py -n N)")
         self._set_position(shard, position)
         self.batches_drawn += 1
-        return window[:-1].view(B, T), window[1:].view(B, T)
+        return batch
+
+
+class AlignedTokenLoader(TokenLoader):
+    """TokenLoader whose rows each begin at a document's first token (bos_token: FineWeb's <|endoftext|>), so no
+    row opens in the middle of a document without its beginning. A row is the T + 1 tokens from a document
+    start, the documents packed as they lie in the shard; the rest of the document cut at its end is skipped,
+    and the next row begins at the document after it. A round is world_size * B such rows, rank r taking rows
+    r*B ... (r+1)*B - 1, and a shard is left when the next round would not fit. The position is the round's
+    first row, so `skip` replays the walk from the shards' document starts."""
+
+    def __init__(self, pattern: str, B: int, T: int, rank: int, world_size: int, vocab_size: int,
+                 device: torch.device, bos_token: int, flag: str = "--input_bin"):
+        self.bos_token, self._starts_of = bos_token, (None, None)
+        super().__init__(pattern, B, T, rank, world_size, vocab_size, device, flag)
+
+    def _check_room(self, shard: int):
+        rows, round_rows = len(self.row_starts(shard, self.world_size * self.B)), self.world_size * self.B
+        if rows < round_rows:
+            raise InputError(f"{self.files[shard]}: only {rows:,} rows of {self.T + 1:,} tokens begin at a document "
+                             f"start (token {self.bos_token}), fewer than one batch round (world_size*B = "
+                             f"{round_rows}); lower --batch_size or --sequence_length, or drop --bos_align")
+
+    def _document_starts(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
+        """The shard's document starts, and for each the index of the start where a row beginning there is
+        followed by the next row (len(starts): none is left). Kept for one shard at a time."""
+        if self._starts_of[0] != shard:
+            tokens = np.memmap(self.files[shard], np.uint16, "r", HEADER_BYTES, (self.shard_tokens[shard],))
+            starts = np.flatnonzero(tokens == self.bos_token)
+            self._starts_of = shard, (starts, np.searchsorted(starts, starts + self.T))
+        return self._starts_of[1]
+
+    def row_starts(self, shard: int, n: int, position: int = 0) -> np.ndarray:
+        """Up to n row starts in a shard, the first at the first document start at or after `position`."""
+        starts, following = self._document_starts(shard)
+        i, rows = int(np.searchsorted(starts, position)), []
+        while len(rows) < n and i < len(starts) and starts[i] + self.T + 1 <= self.shard_tokens[shard]:
+            rows.append(starts[i])
+            i = following[i]
+        return np.array(rows, dtype=np.int64)
+
+    def _first_position(self, shard: int) -> int:
+        return int(self.row_starts(shard, 1)[0])
+
+    def _advance(self, shard: int, position: int) -> tuple[int, int]:
+        rounds = self.row_starts(shard, 2 * self.world_size * self.B, position)
+        if len(rounds) == 2 * self.world_size * self.B:  # the next round fits too
+            return shard, int(rounds[self.world_size * self.B])
+        shard = (shard + 1) % len(self.files)
+        return shard, self._first_position(shard)
+
+    def _rows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        return np.stack([self.tokens[s: s + length] for s in starts])
+
+    def _read_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        mine = self.row_starts(self.shard, self.world_size * self.B, self.position)[self.rank * self.B:][:self.B]
+        rows = to_device(self._rows(mine, self.T + 1), self.device)
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def sample_rows(self, n: int) -> torch.Tensor:
+        return torch.from_numpy(self._rows(self.row_starts(self.shard, n), self.T).astype(np.int64))
+
+    def trained_fraction(self, shard: int = 0) -> float:
+        """The share of a shard's tokens that its rows hold: the rest are the skipped ends of cut documents."""
+        return len(self.row_starts(shard, self.shard_tokens[shard])) * self.T / self.shard_tokens[shard]
 
 
 class ValidationSet:
@@ -1754,8 +1843,8 @@ def load_checkpoint(path: str, expected: dict, flag: str = "--resume") -> dict:
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise InputError(f"{flag}: {path} is not a train_gpt2.py checkpoint (format {CHECKPOINT_FORMAT})")
     for key, want in expected.items():
-        if ckpt[key] != want:
-            raise InputError(f"{flag}: {path} was trained with {key}={ckpt[key]}, this run has {key}={want}; "
+        if ckpt.get(key) != want:
+            raise InputError(f"{flag}: {path} was trained with {key}={ckpt.get(key)}, this run has {key}={want}; "
                              "pass the same --model/overrides/batch flags, or start a new run")
     if not os.path.exists(checksum):
         notice(f"{path} has no checksum file (an older checkpoint, or a copy without it): loaded unchecked")
@@ -1983,7 +2072,11 @@ def setup_run(args) -> Run:
     ckpt_path = resolve_checkpoint_path(args, run_dir)
     if env.world_size > 1:
         dist.barrier()  # every rank has checked the run directory before rank 0 starts writing to it
-    train_loader = TokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
+    if args.bos_align:
+        train_loader = AlignedTokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size,
+                                          env.device, config.doc_token)
+    else:
+        train_loader = TokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
     val = ValidationSet(args.input_val_bin, args.val_tokens, args.val_batch_size, val_row_length(args), env.rank,
                         env.world_size, config.vocab_size, env.device)
 
@@ -1991,7 +2084,7 @@ def setup_run(args) -> Run:
     raw_model = GPT(config).to(env.device)
     optimizer = make_optimizer(raw_model, args, env.device)
     layout = dict(model_config=asdict(config), batch_size=B, sequence_length=T, world_size=env.world_size,
-                  grad_accumulation_steps=accumulation)
+                  grad_accumulation_steps=accumulation, bos_align=args.bos_align)  # what fixes the data walk
     resumed = dict(start_step=0, train_time_s=0.0, evaluated_at_start=False)
     if ckpt_path is not None:
         ckpt = load_checkpoint(ckpt_path, layout)
@@ -2050,6 +2143,9 @@ def setup_run(args) -> Run:
     log.print(f"model {args.model}: {raw_model.num_params():,} parameters | {run.tokens_per_step:,} tokens/step "
               f"({B}x{T} x {accumulation} accumulation x {env.world_size} processes) | train data "
               f"{train_loader.total_tokens:,} tokens in {len(train_loader.files)} shards | run dir {run_dir}")
+    if args.bos_align:
+        log.print(f"rows begin at documents: {train_loader.trained_fraction():.0%} of the first shard's tokens are "
+                  "trained on, the rest are the skipped ends of cut documents")
     return run
 
 

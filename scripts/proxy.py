@@ -211,6 +211,8 @@ def shards_ready(protocol: Protocol, spec: Spec, data: str) -> bool:
     """Whether the shards this run reads are in data: the present prefix of the protocol's shards holds all
     its micro-batches (walked as the trainer's loader walks them), or every shard is there."""
     args = trainer_args(spec.model, spec.flags)
+    if args.bos_align:  # how far its rows reach depends on the documents' lengths: wait for every shard
+        return all(os.path.exists(os.path.join(data, shard)) for shard in protocol.train_shards)
     window = args.batch_size * args.sequence_length
     needed = spec.steps * resolve_grad_accumulation(args, world_size=1)
     for shard in protocol.train_shards:

@@ -533,6 +533,23 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path, shards, capsys):
     assert "model_config" in line and "start a new run" in line
 
 
+def test_bos_aligned_training_says_what_it_trains_on_and_resumes_only_aligned(tmp_path, shards, capsys):
+    from train_gpt2 import AlignedTokenLoader
+    aligned = ("--bos_align", "true", "--doc_token", "7")  # the random shards' token 7 opens a "document"
+    assert main(tiny_run_args(shards, tmp_path, "a", *aligned)) == 0
+    expected = AlignedTokenLoader(shards[0], 2, 32, 0, 1, 256, torch.device("cpu"), 7).trained_fraction()
+    assert 0.05 < expected < 0.5  # documents of ~256 tokens: most of each is skipped by rows of 32
+    assert f"rows begin at documents: {expected:.0%} of the first shard's tokens are trained on" in \
+        capsys.readouterr().out
+    ckpt = str(next((tmp_path / "a").glob("ckpt_*.pt")))
+    line = _error(capsys, tiny_run_args(shards, tmp_path, "b", "--doc_token", "7", "--resume", ckpt))
+    assert "was trained with bos_align=True, this run has bos_align=False" in line
+    line = _error(capsys, tiny_run_args(shards, tmp_path, "c", *aligned, "--curriculum_start", "16",
+                                        "--curriculum_iters", "2"))
+    assert line == ("error: --bos_align with --curriculum_start 16: the curriculum cuts each row into shorter ones, "
+                    "which would not begin at documents; drop one of them")
+
+
 def test_a_damaged_checkpoint_is_refused_by_its_checksum(tmp_path, shards, capsys):
     assert main(tiny_run_args(shards, tmp_path, "a", "--num_iterations", "8", "--save_every", "4")) == 0
     capsys.readouterr()
