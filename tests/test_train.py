@@ -538,7 +538,6 @@ def test_bos_aligned_training_says_what_it_trains_on_and_resumes_only_aligned(tm
     aligned = ("--bos_align", "true", "--doc_token", "7")  # the random shards' token 7 opens a "document"
     assert main(tiny_run_args(shards, tmp_path, "a", *aligned)) == 0
     expected = AlignedTokenLoader(shards[0], 2, 32, 0, 1, 256, torch.device("cpu"), 7).trained_fraction()
-    assert 0.05 < expected < 0.5  # documents of ~256 tokens: most of each is skipped by rows of 32
     assert f"rows begin at documents: {expected:.0%} of the first shard's tokens are trained on" in \
         capsys.readouterr().out
     ckpt = str(next((tmp_path / "a").glob("ckpt_*.pt")))
