@@ -9,11 +9,14 @@ first row's time to target by each row's.
 """
 
 import argparse
+import functools
 import json
 import math
 import os
 import statistics
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Flags that do not change what is trained: runs differing only in these are seeds of one config.
 NOT_CONFIG = {"seed", "run_name", "output_dir", "resume", "log_wandb", "save_every", "device"}
@@ -101,12 +104,21 @@ def run_stats(run: dict, target: float) -> dict:
     )
 
 
+@functools.cache
+def flag_defaults() -> dict:
+    """The trainer's own flag defaults, without any recipe's: what a run made before a flag existed did
+    (a new flag's default keeps the trainer's earlier behaviour)."""
+    from train_gpt2 import build_parser
+    return vars(build_parser().parse_args([]))
+
+
 def group_key(run: dict) -> str:
-    """What a run trained, apart from its seed: every flag that changes it, and the number of processes."""
+    """What a run trained, apart from its seed: every flag that changes it, and the number of processes.
+    A flag its config does not record (it predates the flag) counts at the flag's default."""
     config = run["config"]
     if not config.get("args"):
         return run["name"]  # no config.json: the run stands alone
-    args = {k: v for k, v in config["args"].items() if k not in NOT_CONFIG}
+    args = {k: v for k, v in {**flag_defaults(), **config["args"]}.items() if k not in NOT_CONFIG}
     return json.dumps(dict(args=args, world_size=config.get("world_size")), sort_keys=True)
 
 

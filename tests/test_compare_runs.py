@@ -13,7 +13,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import compare_runs  # noqa: E402
 
 
-def write_run(directory, name, evals, seed=0, lr=1e-3, tokens_per_s=1000.0, summary=True, steps=20):
+def write_run(directory, name, evals, seed=0, lr=1e-3, tokens_per_s=1000.0, summary=True, steps=20, **flags):
     run = directory / name
     run.mkdir(parents=True)
     with open(run / "metrics.jsonl", "w") as f:
@@ -24,7 +24,7 @@ def write_run(directory, name, evals, seed=0, lr=1e-3, tokens_per_s=1000.0, summ
         for step, time_s, loss in evals:
             f.write(json.dumps(dict(step=step, tokens=100 * step, val_loss=loss, train_time_s=time_s)) + "\n")
     (run / "config.json").write_text(json.dumps({"args": {"model": "d12", "seed": seed, "learning_rate": lr,
-                                                          "run_name": name}}))
+                                                          "run_name": name, **flags}}))
     if summary:
         (run / "summary.json").write_text(json.dumps(dict(tokens_per_s=tokens_per_s, mfu=0.4, peak_mem_mib=920.0,
                                                           compile_s=12.0)))
@@ -52,6 +52,16 @@ def test_table_groups_seeds_and_computes_speedup(tmp_path, capsys):
     # Seeds cross at 0 + (4-3.3)/(4-3.0)*5 = 3.5 s and (4-3.3)/(4-3.2)*5 = 4.375 s: mean 3.94, speed-up 14/3.94.
     assert "fast_s0 (+1 seeds)" in fast_row and "3.9 ± 0.6" in fast_row and "3.56x" in fast_row
     assert "2,100 ± 141" in fast_row and "12.0" in fast_row
+
+
+def test_a_flag_a_run_predates_counts_at_its_default(tmp_path, capsys):
+    evals = [(0, 0.0, 4.0), (10, 5.0, 3.0)]
+    old = write_run(tmp_path, "old_s0", evals)  # made before --bos_align existed
+    new = write_run(tmp_path, "new_s1", evals, seed=1, bos_align=False)  # the flag at its default: a seed of old
+    aligned = write_run(tmp_path, "aligned_s2", evals, seed=2, bos_align=True)  # trained differently
+    assert compare_runs.main([old, new, aligned]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [row.split("  ")[0] for row in rows] == ["old_s0 (+1 seeds)", "aligned_s2"]
 
 
 def test_unreached_target_and_unfinished_run(tmp_path, capsys):
