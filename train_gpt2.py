@@ -1630,18 +1630,19 @@ def peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
-def flops_per_token(model: GPT, seq_len: int, sample: torch.Tensor | None = None) -> float:
+def flops_per_token(model: GPT, seq_len: int, sample: torch.Tensor | None = None, local_window: int = 0) -> float:
     """Training FLOPs per token, PaLM convention: 6 per matmul parameter (forward + backward) plus
     attention's QK^T and AV, 12 * T * n_embd per layer, where a local layer's T is its window (at most the
     sequence): a chunked or sliding window does that much less attention work, and MFU should not count it.
-    Under doc_mask, T is the mean range within documents over `sample`, rows of training tokens (seq_len
-    long); without a sample, the row's."""
+    local_window other than 0 replaces the local layers' window (the window warmup's). Under doc_mask, T is
+    the mean range within documents over `sample`, rows of training tokens (seq_len long); without a sample,
+    the row's."""
     c = model.config
+    windows = [Masking(local_window).window(c.layer_window(layer)) for layer in range(c.n_layer)]
     if c.doc_mask and sample is not None:
-        spans = (mean_attention_span(sample, c.layer_window(layer), c.chunked_windows, c.doc_token)
-                 for layer in range(c.n_layer))
+        spans = (mean_attention_span(sample, window, c.chunked_windows, c.doc_token) for window in windows)
     else:
-        spans = (min(c.layer_window(layer) or seq_len, seq_len) for layer in range(c.n_layer))
+        spans = (min(window or seq_len, seq_len) for window in windows)
     return 6 * model.matmul_params() + 12 * sum(spans) * c.n_embd
 
 
@@ -1665,24 +1666,39 @@ class StepMeter:
     the summary reports (steps after the 10th: compile stragglers and allocator warm-up stay out)."""
 
     def __init__(self, model: GPT, seq_len: int, env, tokens_per_step: int, sample: torch.Tensor | None = None):
-        self.flops_token, self.peak = flops_per_token(model, seq_len, sample), peak_flops(env.device)
+        self.model, self.seq_len, self.sample, self.peak = model, seq_len, sample, peak_flops(env.device)
         self.device, self.world_size, self.tokens_per_step = env.device, env.world_size, tokens_per_step
+        self.flops_by_shape: dict[tuple[int, int], float] = {}  # (row length, local window) -> FLOPs per token
         self.step_seconds: list[float] = []  # this process's steps (a resumed run counts from the resume)
+        self.step_mfus: list[float] = []  # the MFU of each of those steps, at its own row length and window
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def mfu(self, tokens_per_s: float | None) -> float | None:
+    def flops_token(self, rows: int, local_window: int) -> float:
+        """FLOPs per token of a step on rows of `rows` tokens (the curriculum's) with local_window (the window
+        warmup's; 0: the model's): shorter rows and windows do less attention work, and MFU counts only that."""
+        shape = (rows, local_window)
+        if shape not in self.flops_by_shape:
+            sample = None if self.sample is None else self.sample.reshape(-1, rows)
+            self.flops_by_shape[shape] = flops_per_token(self.model, rows, sample, local_window)
+        return self.flops_by_shape[shape]
+
+    def mfu(self, tokens_per_s: float | None, rows: int | None = None, local_window: int = 0) -> float | None:
         if not self.peak or not tokens_per_s:
             return None  # a GPU without a known peak: n/a, never a guess
-        return self.flops_token * tokens_per_s / (self.peak * self.world_size)
+        flops = self.flops_token(rows or self.seq_len, local_window)
+        return flops * tokens_per_s / (self.peak * self.world_size)
 
-    def step(self, seconds: float, tokens: int) -> tuple[float, float | None]:
+    def step(self, seconds: float, tokens: int, rows: int, local_window: int) -> tuple[float, float | None]:
         """Record one step's time and tokens; its tokens/s and MFU. Full steps make the steady median and the
         eta: the batch ramp's smaller ones aside."""
+        tokens_per_s = tokens / seconds
+        mfu = self.mfu(tokens_per_s, rows, local_window)
         if tokens == self.tokens_per_step:
             self.step_seconds.append(seconds)
-        tokens_per_s = tokens / seconds
-        return tokens_per_s, self.mfu(tokens_per_s)
+            if mfu is not None:
+                self.step_mfus.append(mfu)
+        return tokens_per_s, mfu
 
     def peak_mem_mib(self) -> float | None:
         return torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
@@ -1697,6 +1713,12 @@ class StepMeter:
     def steady_tokens_per_s(self) -> float | None:
         steady = self.step_seconds[10:] if len(self.step_seconds) > 10 else self.step_seconds
         return self.tokens_per_step / statistics.median(steady) if steady else None
+
+    def steady_mfu(self) -> float | None:
+        """The median MFU of the same steps: each counted at its own rows and window, so a run whose windows
+        or rows grow is not credited with attention work its early steps skipped."""
+        steady = self.step_mfus[10:] if len(self.step_mfus) > 10 else self.step_mfus
+        return statistics.median(steady) if steady else None
 
 
 # =============================================================================
@@ -2438,8 +2460,9 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
             last_save = time.monotonic()
 
         step_s, step_loss, aux, lr = timed_step(run, step)
+        tokens_per_s, mfu = meter.step(step_s, run.tokens_through(step + 1) - run.tokens_through(step),
+                                       row_length_at(step, args), local_window_at(step, args, run.config))
         step = outcome.step = step + 1
-        tokens_per_s, mfu = meter.step(step_s, run.tokens_through(step) - run.tokens_through(step - 1))
         if len(meter.step_seconds) == 10 and step < final_step:  # once the step time has settled
             emit(meter.eta_line(final_step - step))
         train_loss = step_loss.item()
@@ -2476,7 +2499,7 @@ def finish(run: Run, outcome: Outcome, meter: StepMeter | None, wall_start: floa
         overtime_steps=max(0, outcome.step - args.num_iterations), tokens=run.tokens_through(outcome.step),
         train_time_s=run.train_time_s, compile_s=outcome.compile_s, eval_time_s=outcome.eval_time_s,
         wall_time_s=time.perf_counter() - wall_start, tokens_per_s=tokens_per_s,
-        mfu=meter.mfu(tokens_per_s) if meter is not None else None,
+        mfu=meter.steady_mfu() if meter is not None else None,
         peak_mem_mib=meter.peak_mem_mib() if meter is not None else None, model=args.model, run_dir=run.run_dir)
     run.log.write_json("summary.json", summary)
     run.log.print(format_summary(summary))

@@ -68,6 +68,24 @@ def test_flops_count_the_attention_local_layers_do():
         local, full = GPT(replace(D12, window=256, window_pattern="LLLG", window_kind="chunked")), GPT(D12)
     assert flops_per_token(local, 1024) == flops_per_token(full, 1024) - 12 * 9 * (1024 - 256) * 768
     assert flops_per_token(local, 128) == flops_per_token(full, 128)  # a window past the sequence changes nothing
+    # The window warmup's narrower window: the local layers do that much attention, the global ones all of it.
+    assert flops_per_token(local, 1024, local_window=64) == flops_per_token(local, 1024) - 12 * 9 * (256 - 64) * 768
+    assert flops_per_token(full, 1024, local_window=64) == flops_per_token(full, 1024)  # no local layers
+
+
+def test_step_mfu_counts_each_steps_rows_and_window():
+    from types import SimpleNamespace
+    from train_gpt2 import StepMeter
+    with torch.device("meta"):
+        model = GPT(replace(D12, window=256, window_pattern="LLLG", window_kind="chunked"))
+    meter = StepMeter(model, 1024, SimpleNamespace(device=torch.device("cpu"), world_size=1), tokens_per_step=100)
+    meter.peak = 1e15  # a GPU's peak, so MFU is computed (a CPU has none)
+    steps = [(1024, 64), (512, 0), (1024, 0)]  # window warmup; curriculum rows; full shape
+    mfus = [meter.step(0.5, 100, rows, window)[1] for rows, window in steps]
+    assert mfus == [flops_per_token(model, rows, local_window=window) * 200 / 1e15 for rows, window in steps]
+    assert mfus[0] < mfus[2] and mfus[1] < mfus[2]  # less attention done at the same tokens/s
+    assert meter.step(1.0, 50, 1024, 0)[1] == pytest.approx(mfus[2] / 4)  # a batch-ramp step: its own MFU ...
+    assert meter.steady_mfu() == sorted(mfus)[1]  # ... but only full steps make the summary's median
 
 
 def test_under_doc_mask_the_flops_count_attention_within_documents():
