@@ -148,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "linearly to 0 at step --layerdrop_iters (full depth after; never at evaluation)")
     g.add_argument("--layerdrop_iters", type=int, default=0, help="steps over which --layerdrop falls to 0")
     g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay (all parameters)")
+    g.add_argument("--ema_decay", type=float, default=0.0,
+                   help="weight averaging: from step --ema_start on, keep an exponential moving average of the "
+                        "weights (this decay per step) and evaluate, stop on and save it. 0: off")
+    g.add_argument("--ema_start", type=int, default=0,
+                   help="the step the average starts from (the weights then), e.g. the cooldown's first")
     g.add_argument("--seed", type=int, default=0, help="seed for model init")
 
     g = p.add_argument_group("evaluation")
@@ -259,6 +264,13 @@ def check_run_flags(args):
             raise InputError(f"--{name} {getattr(args, name)} must be a finite number >= 0")
     if not 0 <= args.muon_momentum < 1:
         raise InputError(f"--muon_momentum {args.muon_momentum} must be in [0, 1)")
+    if not 0 <= args.ema_decay < 1:
+        raise InputError(f"--ema_decay {args.ema_decay} must be in [0, 1) (e.g. 0.999; 0: no weight averaging)")
+    if args.ema_decay and not 0 <= args.ema_start < args.num_iterations:
+        raise InputError(f"--ema_start {args.ema_start}: pass a step from 0 to --num_iterations {args.num_iterations} "
+                         "- 1, so the average sees training")
+    if args.ema_start and not args.ema_decay:
+        raise InputError(f"--ema_start {args.ema_start} needs --ema_decay (the average's decay per step)")
     if args.log_wandb and importlib.util.find_spec("wandb") is None:  # on every rank, before any waits for others
         raise InputError("--log_wandb: wandb is not installed; pip install wandb, or drop the flag")
     if overtime_applies(args) and args.lr_floor == 0:
@@ -1519,6 +1531,48 @@ def make_optimizer(model: GPT, args, device: torch.device) -> Optimizers:
     ])
 
 
+class WeightAverage:
+    """An exponential moving average of the weights (--ema_decay): it begins as the weights after step `start`
+    and after each later step moves toward them by 1 - decay. Evaluations use it in their place (`applied`),
+    so the run stops on the average's loss, and checkpoints hold it beside the weights (`average`)."""
+
+    def __init__(self, model: GPT, decay: float, start: int):
+        self.names, self.params = zip(*model.named_parameters())
+        self.decay, self.start = decay, start
+        self.tensors: list[torch.Tensor] | None = None  # fp32, from step `start` on
+
+    def observe(self, step: int):
+        """Fold in the weights after `step` optimizer steps."""
+        if step < self.start:
+            return
+        weights = [p.detach().float() for p in self.params]
+        if step == self.start:
+            self.tensors = [w.clone() for w in weights]
+        else:
+            torch._foreach_lerp_(self.tensors, weights, 1 - self.decay)
+
+    @contextlib.contextmanager
+    def applied(self):
+        """The model holds the average inside the block (nothing changes before its first step)."""
+        if self.tensors is None:
+            yield
+            return
+        kept = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            torch._foreach_copy_(list(self.params), self.tensors)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(list(self.params), kept)
+
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        return None if self.tensors is None else dict(zip(self.names, self.tensors))
+
+    def load_state_dict(self, state: dict[str, torch.Tensor] | None):
+        self.tensors = None if state is None else [state[name].to(p.device) for name, p in zip(self.names, self.params)]
+
+
 def muon_momentum_at(step: int, args) -> float:
     """Muon momentum: 0.85 rising linearly to --muon_momentum over --muon_momentum_warmup steps."""
     if step >= args.muon_momentum_warmup:
@@ -1874,10 +1928,16 @@ def load_checkpoint(path: str, expected: dict, flag: str = "--resume") -> dict:
 
 
 def model_from_checkpoint(path: str, device: torch.device, flag: str = "--checkpoint") -> tuple[GPT, dict]:
-    """The model a checkpoint holds (any variant: its config travels with it), and the checkpoint."""
+    """The model a checkpoint holds (any variant: its config travels with it; the weights' average where the
+    run kept one, since that is what it evaluated), and the checkpoint."""
     ckpt = load_checkpoint(path, expected={}, flag=flag)
     model = GPT(GPTConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
+    if ckpt.get("average") is not None:  # the run evaluated its average of the weights: that is its model
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in ckpt["average"].items():
+                params[name].copy_(tensor)
     return model.to(device), ckpt
 
 
@@ -2057,6 +2117,7 @@ class Run:
     accumulation: int  # micro-batches per optimizer step on this process
     layout: dict  # what a checkpoint must match to be resumed here
     compiled: bool
+    average: WeightAverage | None  # --ema_decay's average of the weights; None without it
     start_step: int = 0
     train_time_s: float = 0.0  # optimizer steps only, carried over a resume
     evaluated_at_start: bool = False  # the checkpoint resumed from was taken right after an evaluation
@@ -2105,12 +2166,17 @@ def setup_run(args) -> Run:
     torch.manual_seed(args.seed)
     raw_model = GPT(config).to(env.device)
     optimizer = make_optimizer(raw_model, args, env.device)
+    average = WeightAverage(raw_model, args.ema_decay, args.ema_start) if args.ema_decay else None
+    # What fixes the data walk, and what the evaluated model is.
     layout = dict(model_config=asdict(config), batch_size=B, sequence_length=T, world_size=env.world_size,
-                  grad_accumulation_steps=accumulation, bos_align=args.bos_align)  # what fixes the data walk
+                  grad_accumulation_steps=accumulation, bos_align=args.bos_align,
+                  ema=(args.ema_decay, args.ema_start) if average else None)
     resumed = dict(start_step=0, train_time_s=0.0, evaluated_at_start=False)
     if ckpt_path is not None:
         ckpt = load_checkpoint(ckpt_path, layout)
         raw_model.load_state_dict(ckpt["model"])
+        if average is not None:
+            average.load_state_dict(ckpt["average"])
         optimizer.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["rng_cpu"])
         if env.device.type == "cuda" and ckpt["rng_cuda"] is not None:
@@ -2152,7 +2218,7 @@ def setup_run(args) -> Run:
     # NoCap: bf16 autocast on CUDA; CPU runs stay in fp32 so tests are exact.
     autocast_ctx = precision(env.device, "bf16" if env.device.type == "cuda" else "fp32")
     run = Run(args, env, config, run_dir, raw_model, model, eval_model, optimizer, train_loader, val, log,
-              autocast_ctx, accumulation, layout, compiled, **resumed)
+              autocast_ctx, accumulation, layout, compiled, average, **resumed)
 
     log.write_json("config.json", dict(
         args=vars(args), model_config=asdict(config), run_dir=run_dir, git_sha=git_sha(),
@@ -2276,6 +2342,7 @@ def save_checkpoint(run: Run, step: int, evaluated: bool):
     device = run.env.device
     atomic_torch_save(dict(
         format=CHECKPOINT_FORMAT, model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
+        average=run.average.state_dict() if run.average is not None else None,
         step=step, batches_drawn=run.train_loader.batches_drawn, train_time_s=run.train_time_s, evaluated=evaluated,
         rng_cpu=torch.get_rng_state(), rng_cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         **run.layout), path)
@@ -2326,8 +2393,9 @@ def evaluate_and_record(run: Run, step: int, stop: StopSignal) -> tuple[float | 
     """NoCap's evaluation of the model after `step` steps, written to metrics.jsonl: (val loss, seconds);
     (None, seconds) when a signal cut it short."""
     t0 = time.perf_counter()
-    val_loss = evaluate(run.eval_model, run.val, run.env.world_size, run.args.val_dtype,
-                        interrupted=lambda: agree(run.env, stop.signum)[0] > 0)
+    with run.average.applied() if run.average is not None else contextlib.nullcontext():
+        val_loss = evaluate(run.eval_model, run.val, run.env.world_size, run.args.val_dtype,
+                            interrupted=lambda: agree(run.env, stop.signum)[0] > 0)
     eval_s = time.perf_counter() - t0
     if val_loss is not None:
         run.log.record(step=step, tokens=run.tokens_through(step), val_loss=val_loss,
@@ -2346,6 +2414,8 @@ def timed_step(run: Run, step: int) -> tuple[float, torch.Tensor, dict, float]:
     t0 = time.perf_counter()
     try:
         step_loss, aux = train_step(run, step, scale)
+        if run.average is not None:
+            run.average.observe(step + 1)
     except torch.OutOfMemoryError:
         raise out_of_memory(f"in step {step + 1}", args.batch_size, args.sequence_length) from None
     synchronize(run.env.device)
@@ -2423,6 +2493,8 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
                         file=log.terminal[1])  # the bar's redraws stay out of log.txt
     emit = progress.write if progress is not None else log.print
     step, last_save = run.start_step, time.monotonic()
+    if run.average is not None and step == 0:
+        run.average.observe(0)  # an average from step 0 starts at the initial weights
     while True:
         minutes_due = 0 < args.save_every_minutes <= (time.monotonic() - last_save) / 60
         signum, minutes_due = agree(env, stop.signum, int(minutes_due))  # every rank acts at the same step

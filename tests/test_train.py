@@ -285,6 +285,58 @@ def test_resume_from_a_periodic_checkpoint_gives_the_uninterrupted_losses(tmp_pa
     assert summary["steps"] == 8 and summary["tokens"] == 8 * 128
 
 
+def test_weight_average_starts_at_its_step_and_follows_the_recurrence():
+    from train_gpt2 import GPT, WeightAverage
+    from model_variants import TINY
+    model = GPT(TINY)
+    params = list(model.parameters())
+
+    def set_weights(value):
+        with torch.no_grad():
+            for p in params:
+                p.fill_(value)
+
+    average = WeightAverage(model, decay=0.75, start=1)
+    set_weights(9.0)
+    average.observe(0)  # before its start: nothing kept
+    assert average.state_dict() is None
+    for step, value in ((1, 4.0), (2, 8.0), (3, 0.0)):
+        set_weights(value)
+        average.observe(step)
+    expected = 0.75 * (0.75 * 4.0 + 0.25 * 8.0) + 0.25 * 0.0  # 4 at its start, then lerps by 1 - decay
+    with average.applied():
+        assert all(torch.equal(p, torch.full_like(p, expected)) for p in params)
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in params)  # the weights are back
+    restored = WeightAverage(model, decay=0.75, start=1)
+    restored.load_state_dict(average.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(restored.tensors, average.tensors))
+
+
+def test_a_run_with_weight_averaging_evaluates_saves_and_resumes_its_average(tmp_path, shards, capsys, monkeypatch):
+    import train_gpt2
+    from train_gpt2 import ValidationSet, evaluate, model_from_checkpoint
+    monkeypatch.setattr(train_gpt2.os, "remove", lambda path: None)  # keep the step-3 checkpoint around
+    extra = ["--ema_decay", "0.5", "--ema_start", "2", "--save_every", "3"]
+    assert run(capsys, shards, tmp_path, "straight", *extra)[0] == 0
+    logged = {r["step"]: r["val_loss"] for r in read_metrics(tmp_path / "straight") if "val_loss" in r}
+    final = tmp_path / "straight" / "ckpt_000006.pt"
+    averaged, ckpt = model_from_checkpoint(str(final), torch.device("cpu"))
+    live, _ = model_from_checkpoint(str(final), torch.device("cpu"))
+    live.load_state_dict(ckpt["model"])
+    val = ValidationSet(shards[1], 256, 2, 32, 0, 1, averaged.config.vocab_size, torch.device("cpu"))
+    # The run evaluated the average, and its final checkpoint loads as the average; the weights score otherwise.
+    assert evaluate(averaged, val, 1) == pytest.approx(logged[6], abs=1e-6)
+    assert abs(evaluate(live, val, 1) - logged[6]) > 1e-4
+    code, _, _ = run(capsys, shards, tmp_path, "resumed", *extra, "--resume",
+                     str(tmp_path / "straight" / "ckpt_000003.pt"))
+    assert code == 0
+    resumed = {r["step"]: r["val_loss"] for r in read_metrics(tmp_path / "resumed") if "val_loss" in r}
+    assert resumed[6] == logged[6]  # the average was carried over the resume, bit for bit on CPU
+    # A checkpoint of an averaged run cannot be resumed without its average, nor the other way round.
+    line = _error(capsys, tiny_run_args(shards, tmp_path, "plain", "--resume", str(final)))
+    assert "was trained with ema=(0.5, 2), this run has ema=None" in line
+
+
 def test_a_run_that_died_before_its_first_checkpoint_starts_over_under_resume_auto(tmp_path, shards, capsys):
     code, _, _ = run(capsys, shards, tmp_path, "run", "--learning_rate", "1e30")  # diverges: no checkpoint
     assert code == 1 and not list((tmp_path / "run").glob("ckpt_*.pt"))
@@ -481,6 +533,9 @@ def test_unknown_model_suggests_close_names(tmp_path, shards, capsys):
     (["--layerdrop", "1.0", "--layerdrop_iters", "3"], "--layerdrop 1.0 is a probability"),
     (["--layerdrop", "0.2"], "--layerdrop and --layerdrop_iters go together"),
     (["--val_sequence_length", "2048"], "--val_sequence_length 2048 exceeds the model's block_size"),
+    (["--ema_decay", "1"], "--ema_decay 1.0 must be in [0, 1)"),
+    (["--ema_decay", "0.9", "--ema_start", "6"], "--ema_start 6: pass a step from 0 to --num_iterations 6 - 1"),
+    (["--ema_start", "2"], "--ema_start 2 needs --ema_decay"),
 ])
 def test_bad_flags_give_one_clear_line(tmp_path, shards, capsys, extra, message):
     assert message in _error(capsys, tiny_run_args(shards, tmp_path, "run", *extra))
