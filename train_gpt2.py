@@ -1570,7 +1570,7 @@ class WeightAverage:
         return None if self.tensors is None else dict(zip(self.names, self.tensors))
 
     def load_state_dict(self, state: dict[str, torch.Tensor] | None):
-        self.tensors = None if state is None else [state[name].to(p.device) for name, p in zip(self.names, self.params)]
+        self.tensors = None if state is None else [state[n].to(p.device) for n, p in zip(self.names, self.params)]
 
 
 def muon_momentum_at(step: int, args) -> float:
@@ -1719,8 +1719,8 @@ class StepMeter:
     """Throughput of the optimizer steps: tokens/s and MFU of each, peak memory, and the steady-state median
     the summary reports (steps after the 10th: compile stragglers and allocator warm-up stay out)."""
 
-    def __init__(self, model: GPT, seq_len: int, env, tokens_per_step: int, sample: torch.Tensor | None = None):
-        self.model, self.seq_len, self.sample, self.peak = model, seq_len, sample, peak_flops(env.device)
+    def __init__(self, model: GPT, env, tokens_per_step: int, sample: torch.Tensor | None = None):
+        self.model, self.sample, self.peak = model, sample, peak_flops(env.device)
         self.device, self.world_size, self.tokens_per_step = env.device, env.world_size, tokens_per_step
         self.flops_by_shape: dict[tuple[int, int], float] = {}  # (row length, local window) -> FLOPs per token
         self.step_seconds: list[float] = []  # this process's steps (a resumed run counts from the resume)
@@ -1737,11 +1737,10 @@ class StepMeter:
             self.flops_by_shape[shape] = flops_per_token(self.model, rows, sample, local_window)
         return self.flops_by_shape[shape]
 
-    def mfu(self, tokens_per_s: float | None, rows: int | None = None, local_window: int = 0) -> float | None:
-        if not self.peak or not tokens_per_s:
+    def mfu(self, tokens_per_s: float, rows: int, local_window: int) -> float | None:
+        if not self.peak:
             return None  # a GPU without a known peak: n/a, never a guess
-        flops = self.flops_token(rows or self.seq_len, local_window)
-        return flops * tokens_per_s / (self.peak * self.world_size)
+        return self.flops_token(rows, local_window) * tokens_per_s / (self.peak * self.world_size)
 
     def step(self, seconds: float, tokens: int, rows: int, local_window: int) -> tuple[float, float | None]:
         """Record one step's time and tokens; its tokens/s and MFU. Full steps make the steady median and the
@@ -2467,7 +2466,7 @@ def train(args) -> int:
                 run.log.print(f"received signal {e.args[0]} during the compile warm-up: stopping, nothing trained")
             if outcome.status != "interrupted":
                 sample = run.train_loader.sample_rows(64) if run.config.doc_mask else None  # documents' lengths
-                meter = StepMeter(run.raw_model, args.sequence_length, run.env, run.tokens_per_step, sample)
+                meter = StepMeter(run.raw_model, run.env, run.tokens_per_step, sample)
                 train_loop(run, stop, outcome, meter)
         finish(run, outcome, meter, wall_start)
     finally:

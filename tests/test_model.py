@@ -78,7 +78,7 @@ def test_step_mfu_counts_each_steps_rows_and_window():
     from train_gpt2 import StepMeter
     with torch.device("meta"):
         model = GPT(replace(D12, window=256, window_pattern="LLLG", window_kind="chunked"))
-    meter = StepMeter(model, 1024, SimpleNamespace(device=torch.device("cpu"), world_size=1), tokens_per_step=100)
+    meter = StepMeter(model, SimpleNamespace(device=torch.device("cpu"), world_size=1), tokens_per_step=100)
     meter.peak = 1e15  # a GPU's peak, so MFU is computed (a CPU has none)
     steps = [(1024, 64), (512, 0), (1024, 0)]  # window warmup; curriculum rows; full shape
     mfus = [meter.step(0.5, 100, rows, window)[1] for rows, window in steps]
