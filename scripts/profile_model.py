@@ -171,10 +171,11 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
 def top_kernels(prof, steps: int, use_cuda: bool) -> list[tuple[str, float, float]]:
     """Device kernels (CUDA) or operators (CPU) of a profiler run by own time, slowest first, as (name,
     calls per step, ms per step). On CUDA only kernels count: an operator's own device time is its
-    kernels' time again."""
+    kernels' time again, and so is a named range's (the optimizer's step shows as one on the device)."""
     kind, own = (DeviceType.CUDA, "self_device_time_total") if use_cuda else (DeviceType.CPU, "self_cpu_time_total")
     rows = [(event.key, event.count / steps, getattr(event, own) / 1000 / steps)
-            for event in prof.key_averages() if event.device_type == kind and getattr(event, own) > 0]
+            for event in prof.key_averages() if event.device_type == kind and getattr(event, own) > 0
+            and not (use_cuda and event.is_user_annotation)]
     return sorted(rows, key=lambda row: -row[2])
 
 

@@ -4,8 +4,10 @@ on the part that spends it, the kernel table names the work, and the trace file 
 import json
 import shutil
 import sys
+from types import SimpleNamespace
 
 import pytest
+from torch.autograd import DeviceType
 
 from conftest import REPO
 
@@ -75,6 +77,22 @@ def test_the_kernel_table_follows_the_work():
     calls = {name: n for name, n, _ in kernels.rows}
     assert calls["aten::mm"] >= 2 * 3  # 2 layers x (qkv, proj, fc, ...) products
     assert calls["aten::gelu"] == calls["aten::gelu_backward"] == 2  # one MLP activation per layer and step
+
+
+def test_device_time_counts_each_kernel_once():
+    # On a GPU the optimizer's step is also a named range on the device timeline, whose time is its kernels'
+    # again: counting it made the kernels add up to more than the step.
+    def event(key, device_type, us, annotation=False):
+        return SimpleNamespace(key=key, count=2, device_type=device_type, self_device_time_total=us,
+                               self_cpu_time_total=us, is_user_annotation=annotation)
+    events = [event("gemm", DeviceType.CUDA, 8000), event("Optimizer.step#Muon.step", DeviceType.CUDA, 3000, True),
+              event("muon_kernel", DeviceType.CUDA, 3000), event("aten::mm", DeviceType.CPU, 500),
+              event("Optimizer.step#Muon.step", DeviceType.CPU, 700, True)]
+    prof = SimpleNamespace(key_averages=lambda: events)
+    assert profile_model.top_kernels(prof, 2, use_cuda=True) == [("gemm", 1.0, 4.0), ("muon_kernel", 1.0, 1.5)]
+    # On a CPU a range's own time is the host work outside its operators: it stays.
+    assert [name for name, _, _ in profile_model.top_kernels(prof, 2, use_cuda=False)] == [
+        "Optimizer.step#Muon.step", "aten::mm"]
 
 
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
