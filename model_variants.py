@@ -65,6 +65,10 @@ class GPTConfig:
     # (sm_89+: RTX 4090, H100), bf16 elsewhere with a notice; training only (HeadCrossEntropy says why only
     # that product).
     fp8_head: bool = False
+    # The MLP's two products in FP8 in training (torchao's float8 linear: e4m3 activations and weights, e5m2
+    # gradients, dynamic per-tensor scales) on GPUs with FP8 tensor cores, bf16 elsewhere with a notice.
+    # Evaluation runs the exact products of the same weights.
+    fp8_mlp: bool = False
     # --- the rest ---------------------------------------------------------------------------------
     norm: str = "rms"  # "rms" (parameter-free, NoCap), "rms_gain" (learned gain), "layer" (LayerNorm)
     norm_eps: float = 1e-6
@@ -136,6 +140,9 @@ class GPTConfig:
             raise ValueError(f"moe_topk={self.moe_topk} exceeds moe_experts={self.moe_experts}")
         if self.moe_experts and self.mlp_hidden_size % self.moe_topk:
             raise ValueError(f"moe_topk={self.moe_topk} does not divide the MLP width {self.mlp_hidden_size}")
+        if self.fp8_mlp and self.moe_experts:
+            raise ValueError("fp8_mlp runs the dense MLP's products in FP8; the MoE's experts are grouped "
+                             "products it does not cover: set one of moe_experts and fp8_mlp")
         if self.fp8_head and not self.fused_head_loss:
             raise ValueError("fp8_head is the fused head loss's logits product in FP8; set fused_head_loss too")
         self.moe_block_indices  # validates moe_layers

@@ -15,6 +15,7 @@ The file reads top to bottom in sections:
 import argparse
 import contextlib
 import copy
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -658,8 +659,9 @@ class MLP(nn.Module):
         self.act = config.mlp_act
         hidden = hidden or config.mlp_hidden_size
         gated = 2 if self.act == "swiglu" else 1
-        self.c_fc = nn.Linear(config.n_embd, gated * hidden, bias=False)
-        self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
+        linear = fp8_training_linear() if config.fp8_mlp else nn.Linear
+        self.c_fc = linear(config.n_embd, gated * hidden, bias=False)
+        self.c_proj = linear(hidden, config.n_embd, bias=False)
 
     def forward(self, x):
         return self.c_proj(mlp_activation(self.c_fc(x), self.act))
@@ -798,7 +800,7 @@ class GPT(nn.Module):
         c = self.config
         if c.fused_head_loss and torch.is_grad_enabled():
             check_head_loss_kernel(h.device)
-            fp8 = c.fp8_head and self.training and fp8_head_runs(h)
+            fp8 = c.fp8_head and self.training and fp8_runs(h, "fp8_head")
             return HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1),
                                           c.logit_softcap, compute_dtype(h), fp8)
         return cross_entropy(self.logits(h), targets)
@@ -961,15 +963,39 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def fp8_head_runs(h: torch.Tensor) -> bool:
-    """Whether the head's logits product over hidden states h (..., d) can run in FP8: the device has FP8
-    tensor cores (otherwise a notice says the head runs in bf16) and h's rows and width are multiples of 16
-    (torch._scaled_mm's rule; the vocabulary side is padded)."""
-    if not fp8_supported(h.device):
-        name = torch.cuda.get_device_name(h.device) if h.device.type == "cuda" else h.device.type
-        notice(f"fp8_head: {name} has no FP8 tensor cores (sm_89+); the head runs in bf16")
+def fp8_runs(x: torch.Tensor, what: str, *widths: int) -> bool:
+    """Whether `what` (the fp8_head or fp8_mlp field) can run a product over x (..., d) in FP8: the device has
+    FP8 tensor cores (otherwise a notice says it runs in bf16) and x's rows, its width and the product's other
+    `widths` are multiples of 16 (torch._scaled_mm's rule)."""
+    if not fp8_supported(x.device):
+        name = torch.cuda.get_device_name(x.device) if x.device.type == "cuda" else x.device.type
+        notice(f"{what}: {name} has no FP8 tensor cores (sm_89+); its products run in bf16")
         return False
-    return h[..., 0].numel() % 16 == 0 and h.size(-1) % 16 == 0
+    return all(n % 16 == 0 for n in (x[..., 0].numel(), x.size(-1), *widths))
+
+
+@functools.cache
+def fp8_training_linear() -> type[nn.Linear]:
+    """The Linear of fp8_mlp: torchao's Float8Linear (e4m3 inputs and weights, e5m2 gradients, dynamic
+    per-tensor scales) in training where fp8_runs allows it, the exact product otherwise, so evaluation
+    scores the weights themselves. Its parameters and state dict are a Linear's. torchao, a package this
+    trainer otherwise needs only for 8-bit AdamW, is imported on first use."""
+    if importlib.util.find_spec("torchao") is None:
+        raise InputError("--fp8_mlp: the FP8 products come from torchao, which is not installed; pip install "
+                         "torchao, or pass --fp8_mlp false")
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    class FP8TrainingLinear(Float8Linear):
+        def __init__(self, in_features: int, out_features: int, bias: bool = True):
+            super().__init__(in_features, out_features, bias=bias, config=Float8LinearConfig())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.training and fp8_runs(x, "fp8_mlp", self.out_features):
+                return super().forward(x)
+            return F.linear(x, self.weight, self.bias)
+
+    return FP8TrainingLinear
 
 
 class HeadCrossEntropy(torch.autograd.Function):
@@ -1930,7 +1956,9 @@ def model_from_checkpoint(path: str, device: torch.device, flag: str = "--checkp
     """The model a checkpoint holds (any variant: its config travels with it; the weights' average where the
     run kept one, since that is what it evaluated), and the checkpoint."""
     ckpt = load_checkpoint(path, expected={}, flag=flag)
-    model = GPT(GPTConfig(**ckpt["model_config"]))
+    # Evaluation runs the MLP's exact products whatever fp8_mlp trained with: the plain Linear does so
+    # without torchao.
+    model = GPT(GPTConfig(**{**ckpt["model_config"], "fp8_mlp": False}))
     model.load_state_dict(ckpt["model"])
     if ckpt.get("average") is not None:  # the run evaluated its average of the weights: that is its model
         params = dict(model.named_parameters())

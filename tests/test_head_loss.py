@@ -26,7 +26,7 @@ def test_fp8_head_falls_back_with_a_notice_on_gpus_without_fp8(monkeypatch, caps
     idx = torch.randint(0, 64, (2, 8))
     model(idx, idx, return_logits=False)[1].backward()
     assert calls == [False]  # the bf16 product ran
-    assert "fp8_head: cpu has no FP8 tensor cores (sm_89+); the head runs in bf16" in capsys.readouterr().err
+    assert "fp8_head: cpu has no FP8 tensor cores (sm_89+); its products run in bf16" in capsys.readouterr().err
 
 
 def test_fp8_head_is_a_form_of_the_fused_head_loss():

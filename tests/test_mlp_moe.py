@@ -1,5 +1,6 @@
-"""The MLP and Mixture-of-Experts: activations, SwiGLU at equal parameters, one expert equals the dense MLP,
-the grouped dispatch equals the per-expert loop, routing and balance, and compiled MoE evaluation."""
+"""The MLP and Mixture-of-Experts: activations, SwiGLU at equal parameters, the MLP's FP8 products (training
+only, exact in evaluation, a notice where there is no FP8), one expert equals the dense MLP, the grouped
+dispatch equals the per-expert loop, routing and balance, and compiled MoE evaluation."""
 
 from dataclasses import replace
 
@@ -31,6 +32,44 @@ def test_mlp_activations(act):
     inner = {"gelu": F.gelu(h), "relu2": F.relu(h) ** 2,
              "swiglu": F.silu(h[:, :h.size(1) // 2]) * h[:, h.size(1) // 2:]}[act]
     torch.testing.assert_close(mlp(x), inner @ mlp.c_proj.weight.T)
+
+
+def test_fp8_mlp_trains_through_fp8_products_and_evaluates_the_exact_ones():
+    torch.manual_seed(0)
+    fp8, plain = MLP(with_overrides(TINY, fp8_mlp=True)), MLP(TINY)
+    assert list(fp8.state_dict()) == list(plain.state_dict())  # checkpoints load either way
+    plain.load_state_dict(fp8.state_dict())
+    x = torch.randn(4, 16, 64)
+    fp8.eval()
+    assert torch.equal(fp8(x), plain(x))  # evaluation: the weights' own products
+    fp8.train()
+    got, want = fp8(x), plain(x)
+    assert not torch.equal(got, want)  # e4m3 products ran...
+    assert (got - want).norm() < 0.1 * want.norm()  # ...and they approximate the exact ones
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for a, b in ((fp8.c_fc.weight.grad, plain.c_fc.weight.grad), (fp8.c_proj.weight.grad, plain.c_proj.weight.grad)):
+        assert not torch.equal(a, b) and F.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.98
+
+
+def test_fp8_mlp_runs_exact_products_with_a_notice_on_gpus_without_fp8(monkeypatch, capsys):
+    import train_gpt2
+    monkeypatch.setattr(train_gpt2, "fp8_supported", lambda device: False)
+    torch.manual_seed(0)
+    fp8, plain = MLP(with_overrides(TINY, fp8_mlp=True)), MLP(TINY)
+    plain.load_state_dict(fp8.state_dict())
+    x = torch.randn(4, 16, 64)
+    assert torch.equal(fp8(x), plain(x))
+    assert "fp8_mlp: cpu has no FP8 tensor cores (sm_89+); its products run in bf16" in capsys.readouterr().err
+
+
+def test_fp8_mlp_keeps_the_models_parameters_and_their_optimizer():
+    from train_gpt2 import muon_params
+    fp8, plain = GPT(with_overrides(TINY, fp8_mlp=True)), GPT(TINY)
+    assert [(n, p.shape) for n, p in fp8.named_parameters()] == [(n, p.shape) for n, p in plain.named_parameters()]
+    assert len(muon_params(fp8)) == len(muon_params(plain))  # Muon still orthogonalizes the MLP's matrices
+    with pytest.raises(ValueError, match="set one of moe_experts and fp8_mlp"):
+        with_overrides(TINY, fp8_mlp=True, moe_experts=2)
 
 
 def test_moe_with_one_expert_top1_equals_the_dense_mlp():

@@ -337,6 +337,20 @@ def test_a_run_with_weight_averaging_evaluates_saves_and_resumes_its_average(tmp
     assert "was trained with ema=(0.5, 2), this run has ema=None" in line
 
 
+def test_a_run_with_fp8_mlp_trains_in_fp8_and_scores_its_exact_model(tmp_path, shards, capsys):
+    from train_gpt2 import MLP, ValidationSet, evaluate, model_from_checkpoint
+    code, _, _ = run(capsys, shards, tmp_path, "fp8", "--fp8_mlp", "true")
+    assert code == 0
+    assert run(capsys, shards, tmp_path, "bf16")[0] == 0
+    logs = {name: {r["step"]: r for r in read_metrics(tmp_path / name)} for name in ("fp8", "bf16")}
+    assert logs["fp8"][1]["train_loss"] != logs["bf16"][1]["train_loss"]  # the FP8 products trained it
+    model, _ = model_from_checkpoint(str(tmp_path / "fp8" / "ckpt_000006.pt"), torch.device("cpu"))
+    assert all(type(m.c_fc) is torch.nn.Linear for m in model.modules() if isinstance(m, MLP))  # no torchao needed
+    val = ValidationSet(shards[1], 256, 2, 32, 0, 1, model.config.vocab_size, torch.device("cpu"))
+    # The run's own evaluation scored the exact products of its weights, as any later evaluation does.
+    assert evaluate(model, val, 1) == pytest.approx(logs["fp8"][6]["val_loss"], abs=1e-6)
+
+
 def test_a_run_that_died_before_its_first_checkpoint_starts_over_under_resume_auto(tmp_path, shards, capsys):
     code, _, _ = run(capsys, shards, tmp_path, "run", "--learning_rate", "1e30")  # diverges: no checkpoint
     assert code == 1 and not list((tmp_path / "run").glob("ckpt_*.pt"))
