@@ -86,6 +86,10 @@ class GPTConfig:
     # the values of block j and of block n_layer - value_embeds + j (the U-net's mirror pattern), v = a*v + b*e[token],
     # a and b learned from 1/2, 1/2: the values get token identity back without the stream carrying it.
     value_embeds: int = 0
+    # Hashed bigram embedding: a table of bigram_embed × vocab_size rows, zero at the start, indexed by a hash of
+    # (previous token, token) and added to every block's input with a learned weight per block (from 0.1): the
+    # stream gets the pair's identity, which attention would otherwise have to assemble (0: none).
+    bigram_embed: int = 0
     # The residual stream (embedding stream, block outputs, skips) in autocast's dtype (bf16 in GPU training)
     # instead of fp32: every elementwise pass over it (norms, residual adds, mixes) moves half the bytes. No
     # effect without autocast, so fp32 evaluation is unchanged.
@@ -98,7 +102,8 @@ class GPTConfig:
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "block_size", "moe_topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("n_kv_head", "window", "kv_lora_rank", "moe_experts", "mtp_k", "value_embeds"):
+        for name in ("n_kv_head", "window", "kv_lora_rank", "moe_experts", "mtp_k", "value_embeds",
+                     "bigram_embed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.n_embd % self.n_head != 0:
@@ -186,6 +191,10 @@ class GPTConfig:
         if not indices or indices[0] < 0 or indices[-1] >= self.n_layer:
             raise ValueError(f"moe_layers={self.moe_layers!r}: indices must lie in 0..{self.n_layer - 1}")
         return indices
+
+    @property
+    def bigram_rows(self) -> int:
+        return self.bigram_embed * self.vocab_size
 
     def value_embed_table(self, layer: int) -> int | None:
         """The value-embedding table a block blends into its values, or None: table j serves block j and block

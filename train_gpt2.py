@@ -528,6 +528,17 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: s
     return y.unflatten(0, (B, -1)).transpose(1, 2).flatten(2, 3)[:, :, :T]
 
 
+def bigram_ids(idx: torch.Tensor, rows: int, previous: torch.Tensor | None = None) -> torch.Tensor:
+    """Each position's row in a hashed bigram table of `rows` rows (GPTConfig.bigram_embed): a hash of (the
+    token before it, the token) over rows 0 .. rows - 2. idx (B, T); `previous` (B, 1) is the token before
+    idx's first column (decoding: the cache's last token); without it the first column, which has no pair in
+    the row, takes the reserved last row."""
+    before = previous if previous is not None else torch.full_like(idx[:, :1], -1)
+    prev = torch.cat([before, idx[:, :-1]], dim=1).long()
+    hashed = ((idx.long() * 1_000_003) ^ (prev * 998_244_353)) % (rows - 1)  # token ids < 2^17: no overflow
+    return torch.where(prev < 0, rows - 1, hashed)
+
+
 class KVCache:
     """Keys and values of every position seen so far, per layer, for incremental decoding: each new
     token then costs one position's worth of attention instead of re-running the whole prefix."""
@@ -536,6 +547,7 @@ class KVCache:
         self.keys: list = [None] * n_layer
         self.values: list = [None] * n_layer
         self.length = 0  # positions already cached (the next token's position)
+        self.last_token: torch.Tensor | None = None  # (B, 1): the bigram embedding's pair across calls
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append (B, n_kv_head, T_new, head_dim) keys/values; return all of this layer's so far."""
@@ -779,6 +791,11 @@ class GPT(nn.Module):
         self.mtp_proj = nn.ModuleList([nn.Linear(config.n_embd, config.n_embd, bias=False)
                                        for _ in range(config.mtp_k)])
         self.rotary = Rotary(config.rotary_dim, config.block_size, config.rope_base) if config.pos == "rope" else None
+        # Built last, so that every other parameter starts as it does without it.
+        self.bigram_embed = nn.Embedding(config.bigram_rows, config.n_embd) if config.bigram_embed else None
+        self.bigram_mix = nn.Parameter(torch.full((config.n_layer,), 0.1)) if config.bigram_embed else None
+        if self.bigram_embed is not None:
+            nn.init.zeros_(self.bigram_embed.weight)  # the pairs start silent; the stream begins as without them
         if config.zero_init_proj:
             for block in self.transformer.h:
                 nn.init.zeros_(block.attn.c_proj.weight)
@@ -836,8 +853,14 @@ class GPT(nn.Module):
             x = x.to(compute_dtype(x))  # the rest of the stream follows: bf16 branches add to bf16
         x0, v0, skips, moe_terms = x, None, [], []
         value_rows = [table(idx) for table in self.value_embeds]  # (B, T, kv width) each
+        bigrams = None
+        if self.bigram_embed is not None:
+            rows = bigram_ids(idx, c.bigram_rows, cache.last_token if cache is not None else None)
+            bigrams = self.bigram_embed(rows).to(x.dtype)  # (B, T, n_embd)
         n_skips = c.n_layer // 2 if c.unet_skips else 0
         for i, block in enumerate(self.transformer.h):
+            if bigrams is not None:
+                x = x + self.bigram_mix[i] * bigrams
             mirror = c.n_layer - 1 - i  # the encoder block whose output this decoder block receives
             if mirror < n_skips:
                 x = x + self.skip_weights[mirror] * skips[mirror]
@@ -858,6 +881,7 @@ class GPT(nn.Module):
                 moe_terms.append(moe)
         if cache is not None:
             cache.length += T
+            cache.last_token = idx[:, -1:]
         h = self.norm_f(x)
         aux = {}
         if targets is None:
@@ -1538,11 +1562,12 @@ def make_optimizer(model: GPT, args, device: torch.device) -> Optimizers:
         return Optimizers([Lion(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)])
     hidden = muon_params(model)
     taken = {id(p) for p in hidden}
-    # AdamW groups, each with its own peak: untied input and value embeddings, then vectors and scalars (gains,
-    # mixing weights), then the rest (the head, routers, expert stacks).
+    # AdamW groups, each with its own peak: untied input, value and bigram embeddings, then vectors and scalars
+    # (gains, mixing weights), then the rest (the head, routers, expert stacks).
     embeddings = [] if model.config.tie_embeddings else [model.transformer.wte.weight]
     embeddings += [model.transformer.wpe.weight] if model.config.pos == "learned" else []
     embeddings += [table.weight for table in model.value_embeds]
+    embeddings += [model.bigram_embed.weight] if model.bigram_embed is not None else []
     taken |= {id(p) for p in embeddings}
     scalars = [p for p in model.parameters() if p.ndim < 2 and id(p) not in taken]
     taken |= {id(p) for p in scalars}
