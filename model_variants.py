@@ -243,9 +243,9 @@ VARIANTS: dict[str, GPTConfig] = {
     "d12_swa": replace(D12, attn_impl="flex", window=256, window_pattern="LLLG"),  # 3 local : 1 global
     # The combination the user's performance analysis recommended first (it expected 1.6-1.8x):
     "d12_lite": replace(D12, n_kv_head=4, attn_impl="flash", mlp_ratio=3),
-    # The user's plans' ideas and NoCap's own setup only (no part of the modded-nanogpt lineage): d12's model;
-    # its recipe (RECIPES) brings the one-cycle learning rate and the sequence-length curriculum.
-    "d12_nocap": D12,
+    # The user's plans' ideas and NoCap's own setup only (no part of the modded-nanogpt lineage): d12 with a
+    # SwiGLU MLP; its recipe (RECIPES) brings the one-cycle learning rate and the sequence-length curriculum.
+    "d12_nocap": replace(D12, mlp_act="swiglu"),
     # The measured-best recipe: docs/RESULTS.md has a P100 or P40 row for every field and flag it changes.
     "d12_fast": replace(
         D12, n_head=6,  # head_dim 128
@@ -288,8 +288,8 @@ RECIPES: dict[str, dict] = {
         # more compile: off.
         coordinate_descent_tuning=False),
     # NoCap's baseline schedule (4,768 steps of 524,288 tokens, lr 1.8e-3) with two ideas of the user's plans
-    # that paid on P100 together: a one-cycle learning rate rising over the first 30% of the steps (torch's
-    # OneCycleLR shape) and rows of 256 tokens doubling to 1024 over the first 20%. The schedule stays
+    # that paid on P100 together (and with the model's SwiGLU): a one-cycle learning rate rising over the first
+    # 30% of the steps (torch's OneCycleLR shape) and rows of 256 tokens doubling to 1024 over the first 20%. The schedule stays
     # NoCap's length: nothing longer than one seed at 100M tokens measured its lead.
     "d12_nocap": dict(lr_schedule="one_cycle", warmup_iters=1430, curriculum_start=256, curriculum_iters=954),
 }

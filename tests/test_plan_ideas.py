@@ -257,12 +257,12 @@ def test_validation_rows_stay_at_nocaps_1024_when_training_rows_grow(tmp_path, s
     assert rows == [16]
 
 
-def test_d12_nocap_is_d12_trained_with_the_plans_schedule_ideas():
+def test_d12_nocap_is_d12_swiglu_trained_with_the_plans_schedule_ideas():
     from model_variants import VARIANTS
     from train_gpt2 import check_run_flags, parse_args
     args = parse_args(["--model", "d12_nocap"])
     check_run_flags(args)  # its recipe is a valid run
-    assert VARIANTS["d12_nocap"] == VARIANTS["d12"]
+    assert VARIANTS["d12_nocap"] == VARIANTS["d12_swiglu"]
     assert (args.optimizer, args.learning_rate, args.num_iterations, args.lr_schedule) == ("adamw", 0.0018, 4768, "one_cycle")
     assert [row_length_at(step, args) for step in (0, 476, 477, 953, 954)] == [256, 256, 512, 512, 1024]
     assert lr_scale(1429, args) == 1.0 and lr_scale(4767, args) == pytest.approx(0.0)
