@@ -64,6 +64,15 @@ def test_d12_fasts_p100_form_is_its_recipe_at_20m_tokens():
     assert spec.steps == 610
 
 
+def test_d12_nocaps_p100_form_is_the_measured_d12_swiglu_command():
+    spec, args = trainer_view("P100", "d12_nocap")
+    measured_spec, measured = trainer_view("P100", "d12_swiglu --lr_schedule one_cycle --warmup_iters 229 "
+                                                   "--curriculum_start 256 --curriculum_iters 152")
+    assert (spec.steps, spec.tokens_per_step) == (measured_spec.steps, measured_spec.tokens_per_step) == (762, 131_072)
+    assert {k: v for k, v in args.items() if k != "model"} == {k: v for k, v in measured.items() if k != "model"}
+    assert (args["learning_rate"], args["warmdown_iters"]) == (1.2e-3, 164)  # d12@P100's, not NoCap's 1.8e-3
+
+
 def test_the_specs_own_flags_win_over_the_schedule():
     _, args = trainer_view("P100", "lr:d12 --learning_rate 1.2e-3 --budget 50M --warmdown_iters 7")
     assert (args["learning_rate"], args["warmdown_iters"], args["num_iterations"]) == (1.2e-3, 7, 381)
