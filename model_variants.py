@@ -288,9 +288,9 @@ RECIPES: dict[str, dict] = {
         # more compile: off.
         coordinate_descent_tuning=False),
     # NoCap's baseline schedule (4,768 steps of 524,288 tokens, lr 1.8e-3) with two ideas of the user's plans
-    # that paid on P100 together (and with the model's SwiGLU): a one-cycle learning rate rising over the first
-    # 30% of the steps (torch's OneCycleLR shape) and rows of 256 tokens doubling to 1024 over the first 20%. The schedule stays
-    # NoCap's length: nothing longer than one seed at 100M tokens measured its lead.
+    # that paid on P100 together, and with the SwiGLU model: a one-cycle learning rate rising over the first 30%
+    # of the steps (torch's OneCycleLR shape) and rows of 256 tokens doubling to 1024 over the first 20%. The
+    # schedule stays NoCap's length: its lead was measured at 100M tokens only, not over a horizon curve.
     "d12_nocap": dict(lr_schedule="one_cycle", warmup_iters=1430, curriculum_start=256, curriculum_iters=954),
 }
 

@@ -93,8 +93,8 @@ PROTOCOLS = {
         # d12@P100: 762 steps = 99.9M tokens at lr 1.2e-3, the best of 6e-4 / 1.2e-3 / 1.8e-3 (docs/RESULTS.md).
         reference=reference_schedule(762, 1.2e-3),
         # d12_fast's FineWeb recipe re-sized to 20M tokens: it crosses d12@P100's final loss near 13M.
-        # d12_nocap is d12 trained on d12@P100's schedule, its one-cycle rise and curriculum the same fractions
-        # of it as of NoCap's 4768 steps.
+        # d12_nocap trains on d12@P100's schedule, its one-cycle rise and curriculum the same fractions of it as
+        # of NoCap's 4768 steps.
         forms={"d12_fast": dict(budget=20_000_000),
                "d12_nocap": {**reference_schedule(762, 1.2e-3),
                              **{flag: round(762 * RECIPES["d12_nocap"][flag] / NOCAP_STEPS)
