@@ -4,6 +4,14 @@
 # (e.g. --run_name, or --batch_size 8 --grad_accumulation_steps 64 on a card with less memory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Its flags would override another model's recipe (d12_nocap's one-cycle warmup, say) without a word.
+for flag in "$@"; do
+  case "$flag" in --model|--model=*)
+    echo "error: baseline.sh trains d12 with NoCap's flags; for another model with its own recipe run" \
+      "bash scripts/setup.sh 25 && bash scripts/train.sh --model NAME" >&2
+    exit 2;;
+  esac
+done
 bash scripts/setup.sh 25
 exec bash scripts/train.sh \
   --input_bin "data/fineweb10B/fineweb_train_*.bin" --input_val_bin "data/fineweb10B/fineweb_val_*.bin" \

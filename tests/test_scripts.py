@@ -132,6 +132,21 @@ def test_speedrun_sh_fetches_the_shards_the_recipe_and_its_overtime_read(tmp_pat
         "torchrun --standalone --nproc_per_node=2 train_gpt2.py --model d12_fast")
 
 
+def test_baseline_sh_trains_d12_with_nocaps_flags_and_refuses_another_model(tmp_path):
+    path = stub_repo(tmp_path, "baseline.sh", "train.sh")
+    result = bash(str(tmp_path / "scripts" / "baseline.sh"), "--run_name", "b", env_extra={"PATH": path},
+                  cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    setup, launch = (tmp_path / "calls.txt").read_text().splitlines()
+    assert setup == "setup 25" and "--model d12 " in launch and launch.endswith("--warmup_iters 256 "
+                                                                               "--warmdown_iters 1024 --run_name b")
+    (tmp_path / "calls.txt").unlink()
+    for flags in (["--model", "d12_nocap"], ["--model=d12_nocap"]):
+        result = bash(str(tmp_path / "scripts" / "baseline.sh"), *flags, env_extra={"PATH": path}, cwd=tmp_path)
+        assert result.returncode == 2 and not (tmp_path / "calls.txt").exists()  # nothing set up or trained
+        assert result.stderr.startswith("error: baseline.sh trains d12") and "train.sh --model NAME" in result.stderr
+
+
 def test_setup_sh_wants_a_gpu_before_it_downloads_unless_told_otherwise(tmp_path):
     path = stub_repo(tmp_path, "setup.sh")
     result = bash(str(tmp_path / "scripts" / "setup.sh"), "14", env_extra={"PATH": path}, cwd=tmp_path)
