@@ -114,49 +114,50 @@ def stub_repo(tmp_path, *scripts):
     return f"{bin_dir}:{os.environ['PATH']}"
 
 
+def run_stubbed(tmp_path, path: str, script: str, *args: str, **env: str):
+    """Run a script of stub_repo's copy; its result and the calls it made (calls.txt, then cleared)."""
+    result = bash(str(tmp_path / "scripts" / script), *args, env_extra={"PATH": path, **env}, cwd=tmp_path)
+    calls = tmp_path / "calls.txt"
+    lines = calls.read_text().splitlines() if calls.exists() else []
+    calls.unlink(missing_ok=True)
+    return result, lines
+
+
 def test_speedrun_sh_fetches_the_shards_the_recipe_and_its_overtime_read(tmp_path):
     from model_variants import RECIPES
     path = stub_repo(tmp_path, "speedrun.sh", "train.sh")
-    result = bash(str(tmp_path / "scripts" / "speedrun.sh"), "--batch_size", "16", env_extra={"PATH": path},
-                  cwd=tmp_path)
+    result, (setup, launch) = run_stubbed(tmp_path, path, "speedrun.sh", "--batch_size", "16")
     assert result.returncode == 0, result.stderr
-    setup, launch = (tmp_path / "calls.txt").read_text().splitlines()
     recipe = RECIPES["d12_fast"]
     tokens = (recipe["num_iterations"] + recipe["overtime_steps"]) * recipe["total_batch_size"]
     assert setup == f"setup {math.ceil(tokens / 100e6)}" and tokens <= 100e6 * int(setup.split()[1])
     # One GPU: the trainer itself, so signals and exit codes pass straight through; more: torchrun.
     assert launch.startswith("python3 train_gpt2.py --model d12_fast") and launch.endswith("--batch_size 16")
-    (tmp_path / "calls.txt").unlink()
-    bash(str(tmp_path / "scripts" / "speedrun.sh"), env_extra={"PATH": path, "NPROC": "2"}, cwd=tmp_path)
-    assert (tmp_path / "calls.txt").read_text().splitlines()[1].startswith(
-        "torchrun --standalone --nproc_per_node=2 train_gpt2.py --model d12_fast")
+    _, calls = run_stubbed(tmp_path, path, "speedrun.sh", NPROC="2")
+    assert calls[1].startswith("torchrun --standalone --nproc_per_node=2 train_gpt2.py --model d12_fast")
 
 
 def test_baseline_sh_trains_d12_with_nocaps_flags_and_refuses_another_model(tmp_path):
     path = stub_repo(tmp_path, "baseline.sh", "train.sh")
-    result = bash(str(tmp_path / "scripts" / "baseline.sh"), "--run_name", "b", env_extra={"PATH": path},
-                  cwd=tmp_path)
+    result, (setup, launch) = run_stubbed(tmp_path, path, "baseline.sh", "--run_name", "b")
     assert result.returncode == 0, result.stderr
-    setup, launch = (tmp_path / "calls.txt").read_text().splitlines()
     assert setup == "setup 25" and "--model d12 " in launch and launch.endswith("--warmup_iters 256 "
                                                                                "--warmdown_iters 1024 --run_name b")
-    (tmp_path / "calls.txt").unlink()
     for flags in (["--model", "d12_nocap"], ["--model=d12_nocap"]):
-        result = bash(str(tmp_path / "scripts" / "baseline.sh"), *flags, env_extra={"PATH": path}, cwd=tmp_path)
-        assert result.returncode == 2 and not (tmp_path / "calls.txt").exists()  # nothing set up or trained
+        result, calls = run_stubbed(tmp_path, path, "baseline.sh", *flags)
+        assert result.returncode == 2 and calls == []  # nothing set up or trained
         assert result.stderr.startswith("error: baseline.sh trains d12") and "train.sh --model NAME" in result.stderr
 
 
 def test_setup_sh_wants_a_gpu_before_it_downloads_unless_told_otherwise(tmp_path):
     path = stub_repo(tmp_path, "setup.sh")
-    result = bash(str(tmp_path / "scripts" / "setup.sh"), "14", env_extra={"PATH": path}, cwd=tmp_path)
+    result, calls = run_stubbed(tmp_path, path, "setup.sh", "14")
     if result.returncode == 0:
         pytest.skip("this machine has a CUDA GPU")
-    assert result.returncode == 2 and not (tmp_path / "calls.txt").exists()  # nothing downloaded
+    assert result.returncode == 2 and calls == []  # nothing downloaded
     assert result.stderr.startswith("error: torch sees no CUDA GPU") and "ALLOW_CPU=1" in result.stderr
-    result = bash(str(tmp_path / "scripts" / "setup.sh"), "14", env_extra={"PATH": path, "ALLOW_CPU": "1"},
-                  cwd=tmp_path)
-    assert result.returncode == 0 and (tmp_path / "calls.txt").read_text() == "fineweb.py --source cached -n 14\n"
+    result, calls = run_stubbed(tmp_path, path, "setup.sh", "14", ALLOW_CPU="1")
+    assert result.returncode == 0 and calls == ["fineweb.py --source cached -n 14"]
 
 
 @pytest.mark.parametrize("script, args", [("scripts/compare.sh", ["d12"]), ("scripts/ablate.sh", ["/nonexistent"])])
