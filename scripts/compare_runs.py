@@ -1,17 +1,21 @@
 """Compare training runs from their logs: time and tokens to a target val loss, throughput, memory.
 
-    python scripts/compare_runs.py logs/d12-* logs/d12_fast-* [--target 3.3821] [--plot compare.png]
+    python scripts/compare_runs.py logs/d12-* logs/d12_fast-* [--target 3.3821|first|paired] [--plot compare.png]
 
 Reads each run directory's metrics.jsonl (and config.json / summary.json when present). Runs that
 differ only in --seed are grouped and shown as mean ± std. Time and tokens to the target are
-interpolated linearly between the two evaluations that straddle it. The speed-up column divides the
-first row's time to target by each row's.
+interpolated linearly between the two evaluations that straddle it. The speed-up and fewer-tokens
+columns divide the first row's time and tokens to the target by each row's.
+
+`--target paired` compares seed with seed: each run's target is the final loss of the first row's run
+with the same seed, and the ratios are taken per seed before they are averaged. Each run then meets a
+reference with its data order and, where the shapes match, its initial weights, and no single reference
+seed, lucky or not, sets every run's target.
 """
 
 import argparse
 import functools
 import json
-import math
 import os
 import statistics
 import sys
@@ -114,11 +118,14 @@ def flag_defaults() -> dict:
 
 def group_key(run: dict) -> str:
     """What a run trained, apart from its seed: every flag that changes it, and the number of processes.
-    A flag its config does not record (it predates the flag) counts at the flag's default."""
+    A flag its config does not record (it predates the flag) counts at the flag's default; a flag the
+    trainer no longer has counts only where the run set it."""
     config = run["config"]
     if not config.get("args"):
         return run["name"]  # no config.json: the run stands alone
-    args = {k: v for k, v in {**flag_defaults(), **config["args"]}.items() if k not in NOT_CONFIG}
+    defaults = flag_defaults()
+    args = {k: v for k, v in {**defaults, **config["args"]}.items()
+            if k not in NOT_CONFIG and (k in defaults or v is not None)}
     return json.dumps(dict(args=args, world_size=config.get("world_size")), sort_keys=True)
 
 
@@ -135,6 +142,15 @@ def group_runs(runs: list[dict]) -> list[list[dict]]:
     return rows
 
 
+def run_seed(run: dict) -> int:
+    return run["config"].get("args", {}).get("seed", 0)
+
+
+def references_by_seed(groups: list[list[dict]]) -> dict[int, dict]:
+    """The first row's runs by seed: in paired mode, each run's reference."""
+    return {run_seed(run): run for run in groups[0]}
+
+
 def mean_std(values: list) -> tuple[float | None, float | None, int]:
     """Mean and sample std of the non-missing values, and how many were missing."""
     present = [v for v in values if v is not None]
@@ -144,43 +160,68 @@ def mean_std(values: list) -> tuple[float | None, float | None, int]:
     return statistics.fmean(present), std, len(values) - len(present)
 
 
-def fmt(value, std=None, spec=".4f", missing=0) -> str:
+def fmt(value, std=None, spec=".4f", missing=0, unit="") -> str:
     if value is None:
         return "n/a"
     text = format(value, spec)
     if std is not None:
         text += f" ± {format(std, spec)}"
+    text += unit
     if missing:
         text += f" ({missing} not)"
     return text
 
 
-def comparison_table(groups: list[list[dict]], target: float) -> str:
-    columns = ["run", "n", "final val", f"time to {target:.6g} (s)", "tokens to target", "tokens/s", "MFU %",
-               "peak MiB", "compile s", "speed-up"]
-    rows, baseline_time = [], None
+def comparison_table(groups: list[list[dict]], target: float | None, paired: bool = False) -> str:
+    """One row per group. With `paired`, `target` is unused: each run is timed to the final loss of the
+    first row's run with its seed, and its ratios are against that run."""
+    references = references_by_seed(groups) if paired else {}
+    reference_stats = {seed: run_stats(ref, ref["evals"][-1]["val_loss"]) for seed, ref in references.items()}
+    target_column = "time to its seed's target (s)" if paired else f"time to {target:.6g} (s)"
+    columns = ["run", "n", "final val", target_column, "tokens to target", "tokens/s", "MFU %", "peak MiB",
+               "compile s", "speed-up", "fewer tokens"]
+    rows, baseline = [], None
     for group in groups:
-        stats = [run_stats(run, target) for run in group]
+        if paired:
+            missing = [run for run in group if run_seed(run) not in references]
+            if missing:
+                raise LogError(f"{missing[0]['dir']}: seed {run_seed(missing[0])} has no reference run (the first "
+                               f"run's configuration at that seed); add one, or give --target a number")
+            stats = [run_stats(run, references[run_seed(run)]["evals"][-1]["val_loss"]) for run in group]
+            pairs = [reference_stats[run_seed(run)] for run in group]
+        else:
+            stats = [run_stats(run, target) for run in group]
         col = {key: mean_std([s[key] for s in stats]) for key in stats[0]}
+        timed = ("time_to_target", "tokens_to_target")
+        if paired:  # seed by seed, then the mean and spread of the ratios
+            ratios = {key: mean_std([ratio(p[key], s[key]) for p, s in zip(pairs, stats)]) for key in timed}
+        else:  # the first row's mean against this row's mean
+            baseline = baseline or {key: col[key][0] for key in timed}
+            ratios = {key: (ratio(baseline[key], col[key][0]), None, 0) for key in timed}
         label = group[0]["name"] if len(group) == 1 else f"{group[0]['name']} (+{len(group) - 1} seeds)"
         if not all(run["finished"] for run in group):
             label += " [unfinished]"
-        time_mean = col["time_to_target"][0]
-        if baseline_time is None:
-            baseline_time = time_mean if time_mean else math.nan  # a target reached at step 0 times nothing
-        speedup = baseline_time / time_mean if time_mean and not math.isnan(baseline_time) else None
         rows.append([label, str(len(group)), fmt(*col["final_val_loss"][:2]),
                      fmt(*col["time_to_target"][:2], spec=".1f", missing=col["time_to_target"][2]),
                      fmt(*col["tokens_to_target"][:2], spec=",.0f", missing=col["tokens_to_target"][2]),
                      fmt(*col["tokens_per_s"][:2], spec=",.0f"),
                      fmt(*col["mfu_pct"][:2], spec=".1f"),
                      fmt(*col["peak_mem_mib"][:2], spec=",.0f"), fmt(*col["compile_s"][:2], spec=".1f"),
-                     fmt(speedup, spec=".2f") + "x" if speedup else "n/a"])
+                     *[fmt(*ratios[key][:2], spec=".2f", missing=ratios[key][2], unit="x") for key in timed]])
     widths = [max(len(r[i]) for r in rows + [columns]) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    if paired:
+        lines.append("targets, the first row's final loss at each seed: " + ", ".join(
+            f"seed {seed}: {ref['evals'][-1]['val_loss']:.4f}" for seed, ref in sorted(references.items())))
     return "\n".join(lines)
+
+
+def ratio(reference: float | None, value: float | None) -> float | None:
+    """reference / value: how many times less a run needed; None where either is missing or zero (a target
+    reached at step 0 times nothing)."""
+    return reference / value if reference and value else None
 
 
 def plot(runs: list[dict], target: float, path: str):
@@ -193,7 +234,8 @@ def plot(runs: list[dict], target: float, path: str):
         by_time.plot([r["train_time_s"] for r in evals], [r["val_loss"] for r in evals], ".-", label=run["name"])
         by_tokens.plot([r["tokens"] / 1e6 for r in evals], [r["val_loss"] for r in evals], ".-", label=run["name"])
     for axis, xlabel in ((by_time, "training time (s)"), (by_tokens, "tokens (M)")):
-        axis.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:.4f}")
+        if target is not None:  # paired runs have one target per seed
+            axis.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:.4f}")
         axis.set_xlabel(xlabel)
         axis.set_ylabel("val loss")
         axis.grid(alpha=0.3)
@@ -207,20 +249,23 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_dirs", nargs="+", help="run directories written by train_gpt2.py")
     p.add_argument("--target", default="3.3821",
-                   help="val loss whose crossing is timed, or 'first': the first run's final val loss (the P40 "
-                        "headline: time to reach the reference run's final loss)")
+                   help="val loss whose crossing is timed; 'first': the first run's final val loss (time to "
+                        "reach the reference run's final loss); 'paired': per seed, the final loss of the first "
+                        "run's configuration at that seed, ratios taken seed by seed")
     p.add_argument("--plot", default=None, help="also draw val loss vs time and vs tokens into this PNG")
     args = p.parse_args(argv)
     try:
         runs = [load_run(d) for d in args.run_dirs]
-        target = runs[0]["evals"][-1]["val_loss"] if args.target == "first" else float(args.target)
+        paired = args.target == "paired"
+        target = None if paired else \
+            runs[0]["evals"][-1]["val_loss"] if args.target == "first" else float(args.target)
+        print(comparison_table(group_runs(runs), target, paired))
     except LogError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ValueError:
-        print(f"error: --target {args.target!r}: expected a number or 'first'", file=sys.stderr)
+        print(f"error: --target {args.target!r}: expected a number, 'first' or 'paired'", file=sys.stderr)
         return 2
-    print(comparison_table(group_runs(runs), target))
     if args.plot:
         plot(runs, target, args.plot)
         print(f"plot: {args.plot}")

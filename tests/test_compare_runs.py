@@ -150,4 +150,39 @@ def test_target_first_is_the_first_runs_final_loss(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert "time to 3.5 (s)" in out[0] and "2.0" in out[3] and "5.00x" in out[3]  # 4 s * 0.5/1.0 = 2 s
     assert compare_runs.main([ref, "--target", "low"]) == 2
-    assert "expected a number or 'first'" in capsys.readouterr().err
+    assert "expected a number, 'first' or 'paired'" in capsys.readouterr().err
+
+
+def test_paired_target_times_each_seed_to_the_references_loss_at_that_seed(tmp_path, capsys):
+    ref_0 = write_run(tmp_path, "ref_s0", [(0, 0.0, 4.0), (10, 10.0, 3.0)])
+    ref_1 = write_run(tmp_path, "ref_s1", [(0, 0.0, 4.2), (10, 10.0, 3.4)], seed=1)  # an unluckier seed
+    new_0 = write_run(tmp_path, "new_s0", [(0, 0.0, 4.0), (10, 5.0, 2.0)], lr=2e-3)
+    new_1 = write_run(tmp_path, "new_s1", [(0, 0.0, 4.2), (10, 5.0, 3.4)], lr=2e-3, seed=1)
+    assert compare_runs.main([ref_0, ref_1, new_0, new_1, "--target", "paired"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "time to its seed's target (s)" in out[0] and "fewer tokens" in out[0]
+    ref_row, new_row = out[2], out[3]
+    assert "ref_s0 (+1 seeds)" in ref_row and "10.0 ± 0.0" in ref_row and "1.00 ± 0.00x" in ref_row
+    # Seed 0 reaches 3.0 at 2.5 s and 500 tokens, half way to its step 10 (4x less time than its reference,
+    # 2x fewer tokens); seed 1 reaches 3.4 at step 10, 5 s (2x, 1x). A shared target of 3.0 would drop seed 1.
+    assert "3.8 ± 1.8" in new_row and "750 ± 354" in new_row
+    assert new_row.endswith("3.00 ± 1.41x  1.50 ± 0.71x")
+    assert out[4] == "targets, the first row's final loss at each seed: seed 0: 3.0000, seed 1: 3.4000"
+
+
+def test_paired_target_needs_a_reference_at_every_seed(tmp_path, capsys):
+    ref = write_run(tmp_path, "ref_s0", [(0, 0.0, 4.0), (10, 10.0, 3.0)])
+    new = write_run(tmp_path, "new_s1", [(0, 0.0, 4.0), (10, 5.0, 2.0)], lr=2e-3, seed=1)
+    assert compare_runs.main([ref, new, "--target", "paired"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {new}: seed 1 has no reference run")
+
+
+def test_a_flag_the_trainer_no_longer_has_splits_seeds_only_where_it_was_set(tmp_path, capsys):
+    evals = [(0, 0.0, 4.0), (10, 5.0, 3.0)]
+    a = write_run(tmp_path, "a_s0", evals, retired_flag=None)  # recorded by an older trainer, left unset
+    b = write_run(tmp_path, "b_s1", evals, seed=1)
+    c = write_run(tmp_path, "c_s2", evals, seed=2, retired_flag=4)  # set: trained differently
+    assert compare_runs.main([a, b, c]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [row.split("  ")[0] for row in rows] == ["a_s0 (+1 seeds)", "c_s2"]
