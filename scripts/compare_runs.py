@@ -129,6 +129,10 @@ def group_key(run: dict) -> str:
     return json.dumps(dict(args=args, world_size=config.get("world_size")), sort_keys=True)
 
 
+def run_seed(run: dict) -> int:
+    return run["config"].get("args", {}).get("seed", 0)
+
+
 def group_runs(runs: list[dict]) -> list[list[dict]]:
     """Runs that differ only in their seed form one group (one row, mean ± std); runs that share a seed
     too are repeats, not seeds, and each gets its own row."""
@@ -137,13 +141,9 @@ def group_runs(runs: list[dict]) -> list[list[dict]]:
         groups.setdefault(group_key(run), []).append(run)
     rows = []
     for group in groups.values():
-        seeds = [run["config"].get("args", {}).get("seed") for run in group]
+        seeds = [run_seed(run) for run in group]
         rows.extend([group] if len(set(seeds)) == len(seeds) else [[run] for run in group])
     return rows
-
-
-def run_seed(run: dict) -> int:
-    return run["config"].get("args", {}).get("seed", 0)
 
 
 def references_by_seed(groups: list[list[dict]]) -> dict[int, dict]:
