@@ -54,6 +54,7 @@ NOCAP_TARGET_VAL_LOSS = 3.3821
 NOCAP_VAL_TOKENS = 1_048_576  # fixed so that every run is scored on exactly the same tokens
 NOCAP_VAL_ROW = 1024  # NoCap's validation rows: 64 batches of 16 x 1024
 OPTIMIZERS = ("adamw", "adamw8bit", "lion", "muon")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # torch.compile modes without CUDA graphs
 
 
 def _parse_bool(text: str) -> bool:
@@ -184,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--coordinate_descent_tuning", action=argparse.BooleanOptionalAction, default=True,
                    help="let inductor tune kernel launch parameters while compiling, as NoCap does (slower "
                         "compile, faster steps)")
+    g.add_argument("--compile_mode", choices=COMPILE_MODES, default="default",
+                   help="torch.compile's mode: max-autotune-no-cudagraphs benchmarks Triton templates against "
+                        "cuBLAS for every product and can fuse elementwise work into a product's epilogue (minutes "
+                        "more compile). The modes with CUDA graphs are not offered: the step keeps the GPU busy "
+                        "already, and its graphs change with the window and row-length schedules")
     g.add_argument("--save_every_minutes", type=float, default=30.0,
                    help="also checkpoint when this many minutes have passed since the last save, so a crash costs "
                         "at most that much (0: never by time)")
@@ -2247,20 +2253,19 @@ def setup_run(args) -> Run:
     log = RunLog(run_dir if env.is_main else None, resumed["start_step"] if ckpt_path else None, wandb_run)
 
     compiled = env.device.type == "cuda" if args.compile is None else args.compile
-    if compiled:
-        import torch._inductor.config as inductor_config
-        inductor_config.coordinate_descent_tuning = args.coordinate_descent_tuning
+    compile_options = configure_compile(args.coordinate_descent_tuning, args.compile_mode) if compiled else {}
     model = raw_model
     if compiled and args.layerdrop:
         # Which blocks run changes with every micro-batch: compiled whole, each new set would be a new graph.
         # Each block is compiled on its own instead, and the loop over them stays eager. So is the head's loss:
         # eager, it would hold a micro-batch's logits in fp32 several times over.
         for block in raw_model.transformer.h:
-            block.compile(dynamic=False)
-        raw_model.head_loss = torch.compile(raw_model.head_loss, dynamic=False)
+            block.compile(dynamic=False, **compile_options)
+        raw_model.head_loss = torch.compile(raw_model.head_loss, dynamic=False, **compile_options)
     elif compiled:
         # A graph per row length and window: their few stages are known, and static shapes compile best.
-        model = torch.compile(raw_model, dynamic=False if args.curriculum_start or args.window_start else None)
+        model = torch.compile(raw_model, dynamic=False if args.curriculum_start or args.window_start else None,
+                              **compile_options)
     if env.world_size > 1:
         # A skipped block's parameters get no gradient in that micro-batch: DDP must look for them.
         model = nn.parallel.DistributedDataParallel(
@@ -2327,6 +2332,14 @@ def out_of_memory(where: str, B: int, T: int) -> InputError:
     """The one-line error for a training step that ran out of GPU memory, with the fix that keeps the recipe."""
     return InputError(f"out of GPU memory {where} ({B}x{T} tokens per micro-batch); halve --batch_size and "
                       "double --grad_accumulation_steps (same tokens per step)")
+
+
+def configure_compile(coordinate_descent_tuning: bool, mode: str) -> dict:
+    """Sets inductor's process-wide tuning switch and returns torch.compile's keyword arguments for `mode`
+    (the trainer and scripts/profile_model.py compile the same way)."""
+    import torch._inductor.config as inductor_config
+    inductor_config.coordinate_descent_tuning = coordinate_descent_tuning
+    return {} if mode == "default" else {"mode": mode}
 
 
 def synchronize(device: torch.device):

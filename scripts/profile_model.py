@@ -27,9 +27,9 @@ import torch.nn as nn
 from torch.autograd import DeviceType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import (GPT, MLP, Block, CausalSelfAttention, InputError, LatentAttention, MoE, Norm,  # noqa: E402
-                        TokenLoader, add_model_flags, make_optimizer, parse_args, pick_device, report_input_errors,
-                        resolve_model_config, synchronize)
+from train_gpt2 import (COMPILE_MODES, GPT, MLP, Block, CausalSelfAttention, InputError, LatentAttention,  # noqa: E402
+                        MoE, Norm, TokenLoader, add_model_flags, configure_compile, make_optimizer, parse_args,
+                        pick_device, report_input_errors, resolve_model_config, synchronize)
 
 PARTS = ("embedding", "attention projections", "attention core", "MLP / MoE", "norms", "head + loss",
          "residual adds & other", "optimizer", "data loading")
@@ -104,8 +104,10 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
     config = resolve_model_config(args)
     torch.manual_seed(0)
     model = GPT(config).to(device)
-    # The optimizer the model trains with: NoCap's AdamW, or its recipe's (d12_fast: Muon + AdamW).
-    optimizer = make_optimizer(model, parse_args(["--model", args.model]), device)
+    # The optimizer and compile settings the model trains with: NoCap's, or its recipe's (d12_fast: Muon +
+    # AdamW, no coordinate-descent tuning).
+    recipe = parse_args(["--model", args.model])
+    optimizer = make_optimizer(model, recipe, device)
     B, T = args.batch_size, args.sequence_length
     if args.input_bin:
         loader = TokenLoader(args.input_bin, B, T, 0, 1, config.vocab_size, device)
@@ -116,7 +118,8 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
             return window[:, :-1], window[:, 1:]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_cuda)
     timer = None  # the part timer's hooks go in after the profiler pass, which they would only slow
-    forward = torch.compile(model) if args.compile else model
+    forward = torch.compile(model, **configure_compile(recipe.coordinate_descent_tuning, args.compile_mode)) \
+        if args.compile else model
     warnings.filterwarnings("ignore", message="Full backward hook is firing")  # expected for GPT and wte
 
     def charge(part: str, start: float):
@@ -216,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input_bin", default=None, help="read real shards (default: random tokens)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model as the trainer does on a GPU; prints the kernel table only")
+    p.add_argument("--compile_mode", choices=COMPILE_MODES, default="default",
+                   help="torch.compile's mode, as the trainer's flag of that name")
     p.add_argument("--kernels", type=int, default=15, help="rows of the kernel table (0: no profiler pass)")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the profiled steps here")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")

@@ -107,6 +107,19 @@ def test_the_compiled_step_gets_the_kernel_table(capsys):
     assert "CompiledFxGraph" in out  # inductor's generated code ran, and the table shows it
 
 
+def test_the_profiled_compile_is_the_trainers(monkeypatch):
+    # The mode asked for, and the model's recipe's coordinate-descent setting (d12: on; d12_fast: off).
+    import torch._inductor.config as inductor_config
+    calls = []
+    monkeypatch.setattr(profile_model.torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)
+    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
+    profile_model.profile(args_for("--compile", "--kernels", "0", "--compile_mode", "max-autotune-no-cudagraphs"))
+    assert calls == [{"mode": "max-autotune-no-cudagraphs"}] and inductor_config.coordinate_descent_tuning
+    profile_model.profile(args_for("--model", "d12_fast", "--n_layer", "2", "--n_embd", "64", "--n_head", "2",
+                                   "--compile", "--kernels", "0"))
+    assert calls[-1] == {} and not inductor_config.coordinate_descent_tuning
+
+
 def test_the_step_uses_the_models_own_optimizer(monkeypatch):
     import train_gpt2
     steps = []

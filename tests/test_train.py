@@ -413,6 +413,27 @@ def test_a_signal_during_the_compile_warm_up_stops_it_at_once(tmp_path, shards, 
     assert not list((tmp_path / "run").glob("ckpt_*.pt"))
 
 
+# One graph for the model, or (LayerDrop) one per block and one for the head's loss.
+@pytest.mark.parametrize("extra", [(), ("--layerdrop", "0.5", "--layerdrop_iters", "4")])
+def test_the_compile_mode_reaches_every_compiled_graph(tmp_path, shards, capsys, monkeypatch, extra):
+    import torch._inductor.config as inductor_config
+    import train_gpt2
+    modes = []
+
+    def record(fn, **kwargs):
+        modes.append(kwargs.get("mode", "default"))
+        return fn
+    monkeypatch.setattr(train_gpt2.torch, "compile", record)
+    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
+    code, _, _ = run(capsys, shards, tmp_path, "run", "--compile", "--compile_mode", "max-autotune-no-cudagraphs",
+                     *extra)
+    assert code == 0 and modes and set(modes) == {"max-autotune-no-cudagraphs"}
+    assert inductor_config.coordinate_descent_tuning  # the trainer's default, set for the process
+    modes.clear()
+    assert run(capsys, shards, tmp_path, "plain", "--compile", "--no-coordinate_descent_tuning", *extra)[0] == 0
+    assert set(modes) == {"default"} and not inductor_config.coordinate_descent_tuning
+
+
 def _start_long_run(shards, out, name, *extra):
     cmd = [sys.executable, str(REPO / "train_gpt2.py"),
            *tiny_run_args(shards, out, name, "--num_iterations", "400", "--val_loss_every", "100", *extra)]
