@@ -149,6 +149,8 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
         t0 = time.perf_counter()
         for _ in range(args.steps):
             step()
+            if args.sync_each_step:
+                synchronize(device)
         synchronize(device)
         return 1000 * (time.perf_counter() - t0) / args.steps
 
@@ -216,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad_accumulation_steps", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (allocator, cuDNN/cuBLAS choices)")
+    p.add_argument("--sync_each_step", action="store_true",
+                   help="wait for the device after every step, as the trainer's step timer does (otherwise the host "
+                        "queues the next step while the device runs this one): the difference is what that costs")
     p.add_argument("--input_bin", default=None, help="read real shards (default: random tokens)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model as the trainer does on a GPU; prints the kernel table only")

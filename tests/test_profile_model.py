@@ -120,6 +120,18 @@ def test_the_profiled_compile_is_the_trainers(monkeypatch):
     assert calls[-1] == {} and not inductor_config.coordinate_descent_tuning
 
 
+def test_sync_each_step_waits_for_the_device_after_every_timed_step(monkeypatch):
+    waits = []
+    monkeypatch.setattr(profile_model, "synchronize", lambda device: waits.append(1))
+    args = args_for("--steps", "3", "--kernels", "0")
+    profile_model.profile(args)
+    pipelined = len(waits)
+    waits.clear()
+    args.sync_each_step = True
+    profile_model.profile(args)
+    assert len(waits) - pipelined == 3  # one more per timed step, and nothing else changes
+
+
 def test_the_step_uses_the_models_own_optimizer(monkeypatch):
     import train_gpt2
     steps = []
