@@ -1198,10 +1198,15 @@ def match_shards(pattern: str, flag: str) -> list[str]:
     return files
 
 
-def to_device(tokens: np.ndarray, device: torch.device) -> torch.Tensor:
-    """uint16 tokens as an int64 tensor on the device (through pinned memory, without waiting, on a GPU)."""
-    t = torch.from_numpy(tokens.astype(np.int64))
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device: on a GPU through pinned memory, without waiting, so the host goes on
+    queueing work."""
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def tokens_to_device(tokens: np.ndarray, device: torch.device) -> torch.Tensor:
+    """uint16 tokens as an int64 tensor on the device."""
+    return host_to_device(torch.from_numpy(tokens.astype(np.int64)), device)
 
 
 class TokenLoader:
@@ -1269,7 +1274,7 @@ class TokenLoader:
     def _read_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This process's (inputs, targets) at the current position, on the device."""
         B, T = self.B, self.T
-        window = to_device(self.tokens[self.position: self.position + B * T + 1], self.device)
+        window = tokens_to_device(self.tokens[self.position: self.position + B * T + 1], self.device)
         return window[:-1].view(B, T), window[1:].view(B, T)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1336,7 +1341,7 @@ class AlignedTokenLoader(TokenLoader):
 
     def _read_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         mine = self.row_starts(self.shard, self.world_size * self.B, self.position)[self.rank * self.B:][:self.B]
-        rows = to_device(self._rows(mine, self.T + 1), self.device)
+        rows = tokens_to_device(self._rows(mine, self.T + 1), self.device)
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def sample_rows(self, n: int) -> torch.Tensor:
@@ -1467,8 +1472,18 @@ class BatchedMuon(torch.optim.Muon):
     sqrt(max(1, rows/cols)) learning-rate scale), computed for all matrices of one shape at once.
     torch.optim.Muon orthogonalizes one matrix at a time, ~15 small matmuls each: for d12_fast's 48
     matrices that is ~1,000 kernel launches and 27.6 ms per optimizer step on an H100, with the GPU mostly
-    waiting on the host. Stacked by shape, Newton-Schulz is 15 batched matmuls per
-    shape. The state (one momentum_buffer per parameter) and the checkpoints are torch.optim.Muon's."""
+    waiting on the host. Stacked by shape, Newton-Schulz is 15 batched matmuls per shape.
+
+    With `compile_options` (torch.compile's keyword arguments), each shape's update is one compiled graph
+    (`muon_update`): eager, the momentum, the Nesterov mix, the stack, the casts and the step each pass over the
+    weights; compiled, they fuse into about two passes. A step in which some matrix of a shape has no gradient
+    (LayerDrop) updates that shape eagerly: each such subset would be a graph of its own. The state (one
+    momentum_buffer per parameter) and the checkpoints are torch.optim.Muon's."""
+
+    def __init__(self, params, *args, compile_options: dict | None = None, **kwargs):
+        super().__init__(params, *args, **kwargs)
+        self.compiled_update = None if compile_options is None else torch.compile(
+            muon_update, fullgraph=True, dynamic=False, **compile_options)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -1476,24 +1491,41 @@ class BatchedMuon(torch.optim.Muon):
         for group in self.param_groups:
             if group["adjust_lr_fn"] not in (None, "original"):
                 raise ValueError(f"BatchedMuon: adjust_lr_fn={group['adjust_lr_fn']!r} is not supported")
-            lr, momentum, decay = float(group["lr"]), group["momentum"], group["weight_decay"]
+            lr, decay = float(group["lr"]), group["weight_decay"]
             by_shape: dict[torch.Size, list[nn.Parameter]] = {}
             for p in group["params"]:
-                if p.grad is not None:
-                    by_shape.setdefault(p.shape, []).append(p)
-            for (rows, cols), params in by_shape.items():
-                grads = [p.grad for p in params]
+                by_shape.setdefault(p.shape, []).append(p)
+            for (rows, cols), shaped in by_shape.items():
+                params = [p for p in shaped if p.grad is not None]
+                if not params:
+                    continue
                 for p in params:
                     if "momentum_buffer" not in self.state[p]:
                         self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
-                buffers = [self.state[p]["momentum_buffer"] for p in params]
-                torch._foreach_lerp_(buffers, grads, 1 - momentum)
-                updates = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
-                ortho = newton_schulz(torch.stack(updates), group["ns_coefficients"], group["ns_steps"], group["eps"])
-                torch._foreach_mul_(params, 1 - lr * decay)
-                torch._foreach_add_(params, ortho.to(params[0].dtype).unbind(0),
-                                    alpha=-lr * math.sqrt(max(1, rows / cols)))
+                # Device tensors, not Python numbers: a compiled graph would be rebuilt for every new lr.
+                hyper = host_to_device(torch.tensor(
+                    [group["momentum"], 1 - lr * decay, lr * math.sqrt(max(1, rows / cols))]), params[0].device)
+                whole = len(params) == len(shaped)
+                update = self.compiled_update if whole and self.compiled_update is not None else muon_update
+                update(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params], hyper,
+                       group["nesterov"], group["ns_coefficients"], group["ns_steps"], group["eps"])
         return loss
+
+
+def muon_update(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor],
+                hyper: torch.Tensor, nesterov: bool, coefficients: tuple[float, float, float], steps: int,
+                eps: float):
+    """One Muon step of same-shaped matrices, in place: each momentum buffer moves toward its gradient, the
+    update (Nesterov's mix of gradient and buffer, or the buffer) is orthogonalized, and each matrix becomes
+    keep * p - step_size * update. hyper holds (momentum, keep = 1 - lr * weight decay, step_size)."""
+    momentum, keep, step_size = hyper.unbind()
+    updates = []
+    for g, m in zip(grads, buffers):
+        m.lerp_(g, 1 - momentum)
+        updates.append(g.lerp(m, momentum) if nesterov else m)
+    ortho = newton_schulz(torch.stack(updates), coefficients, steps, eps)
+    for p, o in zip(params, ortho.unbind(0)):
+        p.mul_(keep).sub_(step_size * o.to(p.dtype))
 
 
 class Lion(torch.optim.Optimizer):
@@ -1553,7 +1585,9 @@ def muon_params(model: GPT) -> list[nn.Parameter]:
     return [p for p in hidden if id(p) not in routers]
 
 
-def make_optimizer(model: GPT, args, device: torch.device) -> Optimizers:
+def make_optimizer(model: GPT, args, device: torch.device, compile_options: dict | None = None) -> Optimizers:
+    """The optimizers of args.optimizer; with compile_options (torch.compile's keyword arguments) Muon's update
+    is compiled too."""
     adamw = dict(betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
     if args.optimizer == "adamw":
         # NoCap: one AdamW group over every parameter, weight decay included on embeddings.
@@ -1583,7 +1617,8 @@ def make_optimizer(model: GPT, args, device: torch.device) -> Optimizers:
               dict(params=scalars, lr=args.learning_rate if args.scalar_lr is None else args.scalar_lr,
                    weight_decay=0.0)]
     return Optimizers([
-        BatchedMuon(hidden, lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.weight_decay),
+        BatchedMuon(hidden, lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.weight_decay,
+                    compile_options=compile_options),
         torch.optim.AdamW([g for g in groups if g["params"]], **adamw),
     ])
 
@@ -2223,7 +2258,9 @@ def setup_run(args) -> Run:
 
     torch.manual_seed(args.seed)
     raw_model = GPT(config).to(env.device)
-    optimizer = make_optimizer(raw_model, args, env.device)
+    compiled = env.device.type == "cuda" if args.compile is None else args.compile
+    compile_options = configure_compile(args.coordinate_descent_tuning, args.compile_mode) if compiled else None
+    optimizer = make_optimizer(raw_model, args, env.device, compile_options)
     average = WeightAverage(raw_model, args.ema_decay, args.ema_start) if args.ema_decay else None
     # What fixes the data walk, and what the evaluated model is.
     layout = dict(model_config=asdict(config), batch_size=B, sequence_length=T, world_size=env.world_size,
@@ -2252,8 +2289,6 @@ def setup_run(args) -> Run:
         wandb_run = wandb.init(project="gpt2-speedrun", name=os.path.basename(run_dir), config=vars(args))
     log = RunLog(run_dir if env.is_main else None, resumed["start_step"] if ckpt_path else None, wandb_run)
 
-    compiled = env.device.type == "cuda" if args.compile is None else args.compile
-    compile_options = configure_compile(args.coordinate_descent_tuning, args.compile_mode) if compiled else {}
     model = raw_model
     if compiled and args.layerdrop:
         # Which blocks run changes with every micro-batch: compiled whole, each new set would be a new graph.

@@ -6,7 +6,8 @@
 Each module's forward and backward are timed through hooks, with the device synchronized at every
 boundary so that time lands on the part that spent it; a module's own share excludes its children.
 That part table needs an eager step: torch.compile fuses across these boundaries. For the step as the
-trainer runs it, --compile compiles the model and replaces the part table with the kernel table.
+trainer runs it, --compile compiles the model and Muon's update and replaces the part table with the kernel
+table.
 
 The kernel table (--kernels N, on by default) lists the N kernels (CUDA) or operators (CPU) with the most
 own time, from a torch.profiler pass over the same number of steps, and the share of the step that all
@@ -107,7 +108,8 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
     # The optimizer and compile settings the model trains with: NoCap's, or its recipe's (d12_fast: Muon +
     # AdamW, no coordinate-descent tuning).
     recipe = parse_args(["--model", args.model])
-    optimizer = make_optimizer(model, recipe, device)
+    compile_options = configure_compile(recipe.coordinate_descent_tuning, args.compile_mode) if args.compile else None
+    optimizer = make_optimizer(model, recipe, device, compile_options)
     B, T = args.batch_size, args.sequence_length
     if args.input_bin:
         loader = TokenLoader(args.input_bin, B, T, 0, 1, config.vocab_size, device)
@@ -118,8 +120,7 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
             return window[:, :-1], window[:, 1:]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_cuda)
     timer = None  # the part timer's hooks go in after the profiler pass, which they would only slow
-    forward = torch.compile(model, **configure_compile(recipe.coordinate_descent_tuning, args.compile_mode)) \
-        if args.compile else model
+    forward = torch.compile(model, **compile_options) if args.compile else model
     warnings.filterwarnings("ignore", message="Full backward hook is firing")  # expected for GPT and wte
 
     def charge(part: str, start: float):
@@ -223,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "queues the next step while the device runs this one): the difference is what that costs")
     p.add_argument("--input_bin", default=None, help="read real shards (default: random tokens)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model as the trainer does on a GPU; prints the kernel table only")
+                   help="torch.compile the model and Muon's update as the trainer does on a GPU; prints the kernel "
+                        "table only")
     p.add_argument("--compile_mode", choices=COMPILE_MODES, default="default",
                    help="torch.compile's mode, as the trainer's flag of that name")
     p.add_argument("--kernels", type=int, default=15, help="rows of the kernel table (0: no profiler pass)")

@@ -247,6 +247,35 @@ def test_batched_muon_matches_torch_muon(nesterov):
     assert opt.state_dict()["state"].keys() == ref_opt.state_dict()["state"].keys()
 
 
+def test_compiled_batched_muon_equals_eager_with_one_graph_per_shape():
+    """Compiled (aot_eager: the same graph inductor would get), the update matches eager step after step while
+    lr and momentum change, builds one graph per shape and no more; a shape with a matrix left without a
+    gradient (LayerDrop) is updated eagerly, so it builds no graph either."""
+    import torch._dynamo.testing
+    from train_gpt2 import BatchedMuon
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    shapes = [(48, 96), (48, 96), (96, 48), (96, 48), (96, 48), (40, 40)]
+    start = [torch.randn(shape) for shape in shapes]
+    eager = [torch.nn.Parameter(w.clone()) for w in start]
+    compiled = [torch.nn.Parameter(w.clone()) for w in start]
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    eager_opt = BatchedMuon(eager, lr=0.05, weight_decay=0.1)
+    compiled_opt = BatchedMuon(compiled, lr=0.05, weight_decay=0.1, compile_options={"backend": counter})
+    for step in range(5):
+        for opt in (eager_opt, compiled_opt):
+            opt.param_groups[0].update(lr=0.05 * (1 - step / 10), momentum=0.85 + 0.02 * step)
+        for i, (p, q) in enumerate(zip(eager, compiled)):
+            grad = None if (i == 4 and step == 3) else torch.randn(p.shape)
+            p.grad, q.grad = grad, None if grad is None else grad.clone()
+        eager_opt.step()
+        compiled_opt.step()
+        for p, q in zip(eager, compiled):
+            torch.testing.assert_close(q.detach(), p.detach())
+            torch.testing.assert_close(compiled_opt.state[q]["momentum_buffer"], eager_opt.state[p]["momentum_buffer"])
+    assert counter.frame_count == 3
+
+
 def test_logged_lr_follows_the_schedule(tmp_path, shards, capsys):
     run(capsys, shards, tmp_path, "run", "--num_iterations", "8", "--warmup_iters", "2", "--warmdown_iters", "4")
     lrs = [r["lr"] for r in read_metrics(tmp_path / "run") if "lr" in r]
@@ -418,20 +447,25 @@ def test_a_signal_during_the_compile_warm_up_stops_it_at_once(tmp_path, shards, 
 def test_the_compile_mode_reaches_every_compiled_graph(tmp_path, shards, capsys, monkeypatch, extra):
     import torch._inductor.config as inductor_config
     import train_gpt2
-    modes = []
+    modes, compiled = [], []
 
     def record(fn, **kwargs):
         modes.append(kwargs.get("mode", "default"))
+        compiled.append(getattr(fn, "__name__", type(fn).__name__))
         return fn
     monkeypatch.setattr(train_gpt2.torch, "compile", record)
     monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
     code, _, _ = run(capsys, shards, tmp_path, "run", "--compile", "--compile_mode", "max-autotune-no-cudagraphs",
-                     *extra)
+                     "--optimizer", "muon", *extra)
     assert code == 0 and modes and set(modes) == {"max-autotune-no-cudagraphs"}
+    assert "muon_update" in compiled  # Muon's update is compiled with the model
     assert inductor_config.coordinate_descent_tuning  # the trainer's default, set for the process
     modes.clear()
     assert run(capsys, shards, tmp_path, "plain", "--compile", "--no-coordinate_descent_tuning", *extra)[0] == 0
     assert set(modes) == {"default"} and not inductor_config.coordinate_descent_tuning
+    compiled.clear()
+    assert run(capsys, shards, tmp_path, "eager", "--optimizer", "muon", *extra)[0] == 0
+    assert compiled == []
 
 
 def _start_long_run(shards, out, name, *extra):
