@@ -2416,6 +2416,14 @@ def warm_up_compile(run: Run) -> float:
             train_step(run, step, 1.0)
     except torch.OutOfMemoryError:  # the first place a micro-batch too large for the GPU shows
         raise out_of_memory("in the compile warm-up's training steps", loader.B, loader.T) from None
+    # LayerDrop can leave a block out of every warm-up step, and Muon compiles its update only for shapes whose
+    # every matrix has a gradient: one more optimizer step, with all of them, builds it for every shape here
+    # rather than inside a timed step (the state is put back below).
+    for p in run.raw_model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
     breaks = graph_breaks() - breaks_before
     if breaks:  # what a new flag most easily costs: a separately compiled piece and a host round trip each
         notice(f"torch.compile split the training step at {breaks} graph break(s); TORCH_LOGS=graph_breaks "

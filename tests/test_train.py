@@ -468,6 +468,31 @@ def test_the_compile_mode_reaches_every_compiled_graph(tmp_path, shards, capsys,
     assert compiled == []
 
 
+def test_nothing_compiles_after_the_warm_up_under_layerdrop(tmp_path, shards, capsys, monkeypatch):
+    # A step that drops a block leaves a shape's matrices without gradients, and Muon updates that shape eagerly;
+    # its compiled update must still be built in the warm-up, not in the first timed step that drops nothing.
+    import torch._dynamo.testing
+    import train_gpt2
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    real_compile, real_warm_up, after_warm_up = torch.compile, train_gpt2.warm_up_compile, []
+
+    def compile_counted(fn, **kwargs):
+        kwargs.pop("mode", None)
+        return real_compile(fn, backend=counter, **kwargs)
+
+    def warm_up(run):
+        seconds = real_warm_up(run)
+        after_warm_up.append(counter.frame_count)
+        return seconds
+    monkeypatch.setattr(train_gpt2.torch, "compile", compile_counted)
+    monkeypatch.setattr(train_gpt2, "warm_up_compile", warm_up)
+    code, _, _ = run(capsys, shards, tmp_path, "run", "--compile", "--optimizer", "muon", "--layerdrop", "0.9",
+                     "--layerdrop_iters", "6")
+    assert code == 0 and after_warm_up[0] > 0
+    assert counter.frame_count == after_warm_up[0]
+
+
 def _start_long_run(shards, out, name, *extra):
     cmd = [sys.executable, str(REPO / "train_gpt2.py"),
            *tiny_run_args(shards, out, name, "--num_iterations", "400", "--val_loss_every", "100", *extra)]
