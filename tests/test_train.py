@@ -218,6 +218,13 @@ def test_muon_updates_are_orthogonalized():
     assert singular.max() / singular.min() < 2.0  # Newton-Schulz flattens a 1000x spread of scales
 
 
+def give_same_grads(params, twins, missing: int | None = None):
+    """The same random gradient on each parameter and its twin; none on either at index `missing`."""
+    for i, (p, q) in enumerate(zip(params, twins)):
+        grad = None if i == missing else torch.randn(p.shape)
+        p.grad, q.grad = grad, None if grad is None else grad.clone()
+
+
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_batched_muon_matches_torch_muon(nesterov):
     """Same updates as torch.optim.Muon, step after step, for square, wide and tall matrices, several of
@@ -235,9 +242,7 @@ def test_batched_muon_matches_torch_muon(nesterov):
     opt = BatchedMuon(groups(ours), nesterov=nesterov)
     ref_opt = torch.optim.Muon(groups(ref), nesterov=nesterov)
     for step in range(4):
-        for i, (p, q) in enumerate(zip(ours, ref)):
-            grad = None if (i == 5 and step == 1) else torch.randn(p.shape)
-            p.grad, q.grad = grad, None if grad is None else grad.clone()
+        give_same_grads(ours, ref, missing=5 if step == 1 else None)
         opt.step()
         ref_opt.step()
         for p, q in zip(ours, ref):
@@ -265,9 +270,7 @@ def test_compiled_batched_muon_equals_eager_with_one_graph_per_shape():
     for step in range(5):
         for opt in (eager_opt, compiled_opt):
             opt.param_groups[0].update(lr=0.05 * (1 - step / 10), momentum=0.85 + 0.02 * step)
-        for i, (p, q) in enumerate(zip(eager, compiled)):
-            grad = None if (i == 4 and step == 3) else torch.randn(p.shape)
-            p.grad, q.grad = grad, None if grad is None else grad.clone()
+        give_same_grads(eager, compiled, missing=4 if step == 3 else None)
         eager_opt.step()
         compiled_opt.step()
         for p, q in zip(eager, compiled):
