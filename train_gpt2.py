@@ -1476,7 +1476,7 @@ class BatchedMuon(torch.optim.Muon):
 
     With `compile_options` (torch.compile's keyword arguments), each shape's update is one compiled graph
     (`muon_update`): eager, the momentum, the Nesterov mix, the stack, the casts and the step each pass over the
-    weights; compiled, they fuse into about two passes. A step in which some matrix of a shape has no gradient
+    weights; compiled, they fuse into a few kernels around Newton-Schulz's matmuls. A step in which some matrix of a shape has no gradient
     (LayerDrop) updates that shape eagerly: each such subset would be a graph of its own. The state (one
     momentum_buffer per parameter) and the checkpoints are torch.optim.Muon's."""
 
