@@ -270,8 +270,9 @@ VARIANTS: dict[str, GPTConfig] = {
 RECIPES: dict[str, dict] = {
     # FineWeb schedule, sized in docs/RESULTS.md: 16,000 steps of 65,536 tokens (1.05B), the upper end of what
     # the P100 horizon curve projects for val <= 3.3821. The run stops at the first evaluation under the target;
-    # a schedule longer than needed gets there a little later than one that ends there, one too short ends
-    # above it: hence the upper end, and up to 4,000 overtime steps at the final lr.
+    # a schedule longer than needed gets there later than one that ends there (a late target only in its
+    # cooldown), one too short ends above it and can only creep on: hence the upper end, and up to 4,000
+    # overtime steps at the final lr.
     # 65,536 tokens per step (two 32x1024 micro-batches): half the tokens of 262,144 to the same loss, for 2%
     # fewer tokens/s. Constant lr for the first half of the steps, a cooldown to 10% over the second; Muon's
     # momentum warms up over the first 15%.
