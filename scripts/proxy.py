@@ -84,9 +84,9 @@ PROTOCOLS = {
                        learning_rate=6e-4, weight_decay=0.1, warmup_iters=64, warmdown_iters=96, val_loss_every=40,
                        val_batch_size=16),
         # 200 steps of one 32x1024 micro-batch = 6.55M tokens; d12_fast crosses d12@P40's final loss near 5M.
-        # As in its recipe, the cooldown takes the second half and the window warmup the first 66%.
+        # As in its recipe, the cooldown takes the whole run and the window warmup the first 66%.
         forms={"d12_fast": dict(batch_size=32, grad_accumulation_steps=1, sequence_length=1024, num_iterations=200,
-                                warmdown_iters=100, muon_momentum_warmup=60, window_iters=131, val_loss_every=20,
+                                warmdown_iters=200, muon_momentum_warmup=60, window_iters=131, val_loss_every=20,
                                 val_batch_size=16)}),
     "P100": Protocol(
         "P100", tuple(f"mix_train_00000{i}.bin" for i in range(1, 6)), (FWTEXTFIXER, FWLEGAL),
