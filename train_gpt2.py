@@ -137,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--muon_momentum", type=float, default=0.95, help="Muon momentum (--optimizer muon)")
     g.add_argument("--muon_momentum_warmup", type=int, default=0,
                    help="raise Muon's momentum linearly from 0.85 to --muon_momentum over this many steps")
+    g.add_argument("--muon_orthogonalize", choices=("newton_schulz", "polar_express"), default="newton_schulz",
+                   help="how Muon orthogonalizes its update: newton_schulz, torch.optim.Muon's five iterations of "
+                        "one quintic; polar_express, five of Polar Express's quintics, one per iteration "
+                        "(Amsel et al. 2025), at the same cost")
+    g.add_argument("--normuon_beta2", type=float, default=0.0,
+                   help="NorMuon (Li et al. 2025): divide each row of Muon's orthogonalized update (each column "
+                        "of a wide matrix) by the root of a running mean, with this decay, of its mean square, "
+                        "keeping the update's norm; e.g. 0.95. 0: off")
     g.add_argument("--lr_floor", type=float, default=0.0,
                    help="the warmdown ends at this fraction of the peak learning rate (NoCap: 0)")
     g.add_argument("--lr_schedule", choices=("trapezoid", "one_cycle"), default="trapezoid",
@@ -271,6 +279,8 @@ def check_run_flags(args):
             raise InputError(f"--{name} {getattr(args, name)} must be a finite number >= 0")
     if not 0 <= args.muon_momentum < 1:
         raise InputError(f"--muon_momentum {args.muon_momentum} must be in [0, 1)")
+    if not 0 <= args.normuon_beta2 < 1:
+        raise InputError(f"--normuon_beta2 {args.normuon_beta2} must be in [0, 1) (e.g. 0.95; 0: off)")
     if not 0 <= args.ema_decay < 1:
         raise InputError(f"--ema_decay {args.ema_decay} must be in [0, 1) (e.g. 0.999; 0: no weight averaging)")
     if args.ema_decay and not 0 <= args.ema_start < args.num_iterations:
@@ -1474,14 +1484,21 @@ class BatchedMuon(torch.optim.Muon):
     matrices that is ~1,000 kernel launches and 27.6 ms per optimizer step on an H100, with the GPU mostly
     waiting on the host. Stacked by shape, Newton-Schulz is 15 batched matmuls per shape.
 
+    Two refinements of the update, both off by default: `polar_express` orthogonalizes with Polar Express's
+    per-iteration quintics, and `normuon_beta2` > 0 evens out the update's rows (NorMuon, `normuon_scale`),
+    keeping one running mean square per row in the state as "second_moment".
+
     With `compile_options` (torch.compile's keyword arguments), each shape's update is one compiled graph
     (`muon_update`): eager, the momentum, the Nesterov mix, the stack, the casts and the step each pass over the
-    weights; compiled, they fuse into a few kernels around Newton-Schulz's matmuls. A step in which some matrix of a shape has no gradient
-    (LayerDrop) updates that shape eagerly: each such subset would be a graph of its own. The state (one
-    momentum_buffer per parameter) and the checkpoints are torch.optim.Muon's."""
+    weights; compiled, they fuse into a few kernels around Newton-Schulz's matmuls. A step in which some matrix
+    of a shape has no gradient (LayerDrop) updates that shape eagerly: each such subset would be a graph of its
+    own. The state (a momentum_buffer per parameter, with NorMuon a second_moment) and the checkpoints are
+    torch.optim.Muon's."""
 
-    def __init__(self, params, *args, compile_options: dict | None = None, **kwargs):
+    def __init__(self, params, *args, compile_options: dict | None = None, polar_express: bool = False,
+                 normuon_beta2: float = 0.0, **kwargs):
         super().__init__(params, *args, **kwargs)
+        self.polar_express, self.normuon_beta2 = polar_express, normuon_beta2
         self.compiled_update = None if compile_options is None else torch.compile(
             muon_update, fullgraph=True, dynamic=False, **compile_options)
 
@@ -1492,6 +1509,10 @@ class BatchedMuon(torch.optim.Muon):
             if group["adjust_lr_fn"] not in (None, "original"):
                 raise ValueError(f"BatchedMuon: adjust_lr_fn={group['adjust_lr_fn']!r} is not supported")
             lr, decay = float(group["lr"]), group["weight_decay"]
+            if self.polar_express:
+                coefficients, margin = POLAR_EXPRESS[:group["ns_steps"]], POLAR_EXPRESS_MARGIN
+            else:
+                coefficients, margin = (tuple(group["ns_coefficients"]),) * group["ns_steps"], 1.0
             by_shape: dict[torch.Size, list[nn.Parameter]] = {}
             for p in group["params"]:
                 by_shape.setdefault(p.shape, []).append(p)
@@ -1502,30 +1523,55 @@ class BatchedMuon(torch.optim.Muon):
                 for p in params:
                     if "momentum_buffer" not in self.state[p]:
                         self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+                    if self.normuon_beta2 and "second_moment" not in self.state[p]:
+                        self.state[p]["second_moment"] = p.new_zeros(
+                            (rows, 1) if rows >= cols else (1, cols), dtype=torch.float32)
+                second_moments = [self.state[p]["second_moment"] for p in params] if self.normuon_beta2 else None
                 # Device tensors, not Python numbers: a compiled graph would be rebuilt for every new lr.
                 hyper = host_to_device(torch.tensor(
                     [group["momentum"], 1 - lr * decay, lr * math.sqrt(max(1, rows / cols))]), params[0].device)
                 whole = len(params) == len(shaped)
                 update = self.compiled_update if whole and self.compiled_update is not None else muon_update
                 update(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params], hyper,
-                       group["nesterov"], group["ns_coefficients"], group["ns_steps"], group["eps"])
+                       group["nesterov"], coefficients, margin, group["eps"], second_moments, self.normuon_beta2)
         return loss
 
 
 def muon_update(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor],
-                hyper: torch.Tensor, nesterov: bool, coefficients: tuple[float, float, float], steps: int,
-                eps: float):
+                hyper: torch.Tensor, nesterov: bool, coefficients: tuple[tuple[float, float, float], ...],
+                margin: float, eps: float, second_moments: list[torch.Tensor] | None, beta2: float):
     """One Muon step of same-shaped matrices, in place: each momentum buffer moves toward its gradient, the
-    update (Nesterov's mix of gradient and buffer, or the buffer) is orthogonalized, and each matrix becomes
-    keep * p - step_size * update. hyper holds (momentum, keep = 1 - lr * weight decay, step_size)."""
+    update (Nesterov's mix of gradient and buffer, or the buffer) is orthogonalized, with NorMuon's row scaling
+    when second_moments are given, and each matrix becomes keep * p - step_size * update. hyper holds
+    (momentum, keep = 1 - lr * weight decay, step_size)."""
     momentum, keep, step_size = hyper.unbind()
     updates = []
     for g, m in zip(grads, buffers):
         m.lerp_(g, 1 - momentum)
         updates.append(g.lerp(m, momentum) if nesterov else m)
-    ortho = newton_schulz(torch.stack(updates), coefficients, steps, eps)
+    ortho = newton_schulz(torch.stack(updates), coefficients, margin, eps)
+    if second_moments is not None:
+        ortho = normuon_scale(ortho, second_moments, beta2)
     for p, o in zip(params, ortho.unbind(0)):
         p.mul_(keep).sub_(step_size * o.to(p.dtype))
+
+
+def normuon_scale(ortho: torch.Tensor, second_moments: list[torch.Tensor], beta2: float) -> torch.Tensor:
+    """NorMuon (Li et al. 2025): an orthogonalized update gives every direction the same size, but its rows
+    (the output units of a tall or square matrix; the columns of a wide one, the longer side) can still differ
+    in size. Each row's mean square updates a running mean (decay beta2, in second_moments, in place) and the
+    row is divided by that mean's root; each matrix is then rescaled to its Frobenius norm before, so the
+    learning rate keeps its meaning."""
+    wide = ortho.size(-2) < ortho.size(-1)
+    mean_square = ortho.float().square().mean(dim=-2 if wide else -1, keepdim=True)
+    for v, current in zip(second_moments, mean_square.unbind(0)):
+        v.lerp_(current, 1 - beta2)
+    scale = torch.stack(second_moments).clamp(min=1e-10).rsqrt()
+    # each matrix's Frobenius norm before the scaling over the one after; 0 for a zero update (a matrix
+    # whose gradient is still zero, behind a zero-initialized projection), which stays zero
+    keep = (mean_square.sum(dim=(-2, -1), keepdim=True)
+            / (mean_square * scale.square()).sum(dim=(-2, -1), keepdim=True).clamp(min=1e-30)).sqrt()
+    return ortho * (scale * keep).to(ortho.dtype)
 
 
 class Lion(torch.optim.Optimizer):
@@ -1558,18 +1604,29 @@ class Lion(torch.optim.Optimizer):
         return loss
 
 
-def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+# Polar Express (Amsel, Persson, Musco, Gower 2025): a quintic of its own for each iteration, each chosen so the
+# singular values end as close to 1 as possible in the worst case, after the input is scaled to spectral norm
+# <= 1/MARGIN: the margin keeps bf16 rounding from pushing a singular value past the range they were fit on.
+POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
+POLAR_EXPRESS_MARGIN = 1.02
+
+
+def newton_schulz(updates: torch.Tensor, coefficients: tuple[tuple[float, float, float], ...], margin: float,
                   eps: float) -> torch.Tensor:
     """Approximately orthogonalize each matrix of a stack (n, rows, cols) in bf16: scale it to spectral norm
-    <= 1, then iterate the quintic X <- aX + (bA + cA^2)X, A = XX^T, on the wide orientation (A is the
-    smaller Gram matrix). The same iteration as torch.optim.Muon, batched."""
-    a, b, c = coefficients
+    <= 1/margin, then for each (a, b, c) of coefficients iterate the quintic X <- aX + (bA + cA^2)X, A = XX^T,
+    on the wide orientation (A is the smaller Gram matrix). torch.optim.Muon's iteration, batched, when every
+    step has its (a, b, c) and margin is 1."""
     x = updates.bfloat16()
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-    for _ in range(steps):
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * margin).clamp(min=eps)
+    for a, b, c in coefficients:
         gram = x @ x.mT
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
@@ -1618,7 +1675,8 @@ def make_optimizer(model: GPT, args, device: torch.device, compile_options: dict
                    weight_decay=0.0)]
     return Optimizers([
         BatchedMuon(hidden, lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.weight_decay,
-                    compile_options=compile_options),
+                    compile_options=compile_options, polar_express=args.muon_orthogonalize == "polar_express",
+                    normuon_beta2=args.normuon_beta2),
         torch.optim.AdamW([g for g in groups if g["params"]], **adamw),
     ])
 

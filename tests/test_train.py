@@ -181,6 +181,11 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert {id(p) for p in model.parameters()} == adamw_ids | {id(p) for p in muon.param_groups[0]["params"]}
     assert id(model.lm_head.weight) in adamw_ids and id(model.transformer.h[1].mlp.router.weight) in adamw_ids
     assert (muon.param_groups[0]["lr"], adamw.param_groups[0]["lr"]) == (0.05, 0.003)
+    assert (muon.polar_express, muon.normuon_beta2) == (False, 0.0)
+    refined = build_parser().parse_args(["--optimizer", "muon", "--muon_orthogonalize", "polar_express",
+                                         "--normuon_beta2", "0.9"])
+    muon = make_optimizer(model, refined, torch.device("cpu")).optimizers[0]
+    assert (muon.polar_express, muon.normuon_beta2) == (True, 0.9)
 
 
 def test_muon_recipe_gives_embeddings_and_scalars_their_own_adamw_groups():
@@ -252,7 +257,8 @@ def test_batched_muon_matches_torch_muon(nesterov):
     assert opt.state_dict()["state"].keys() == ref_opt.state_dict()["state"].keys()
 
 
-def test_compiled_batched_muon_equals_eager_with_one_graph_per_shape():
+@pytest.mark.parametrize("refinements", [{}, dict(polar_express=True, normuon_beta2=0.95)])
+def test_compiled_batched_muon_equals_eager_with_one_graph_per_shape(refinements):
     """Compiled (aot_eager: the same graph inductor would get), the update matches eager step after step while
     lr and momentum change, builds one graph per shape and no more; a shape with a matrix left without a
     gradient (LayerDrop) is updated eagerly, so it builds no graph either."""
@@ -265,8 +271,9 @@ def test_compiled_batched_muon_equals_eager_with_one_graph_per_shape():
     eager = [torch.nn.Parameter(w.clone()) for w in start]
     compiled = [torch.nn.Parameter(w.clone()) for w in start]
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    eager_opt = BatchedMuon(eager, lr=0.05, weight_decay=0.1)
-    compiled_opt = BatchedMuon(compiled, lr=0.05, weight_decay=0.1, compile_options={"backend": counter})
+    eager_opt = BatchedMuon(eager, lr=0.05, weight_decay=0.1, **refinements)
+    compiled_opt = BatchedMuon(compiled, lr=0.05, weight_decay=0.1, compile_options={"backend": counter},
+                               **refinements)
     for step in range(5):
         for opt in (eager_opt, compiled_opt):
             opt.param_groups[0].update(lr=0.05 * (1 - step / 10), momentum=0.85 + 0.02 * step)
@@ -275,8 +282,65 @@ def test_compiled_batched_muon_equals_eager_with_one_graph_per_shape():
         compiled_opt.step()
         for p, q in zip(eager, compiled):
             torch.testing.assert_close(q.detach(), p.detach())
-            torch.testing.assert_close(compiled_opt.state[q]["momentum_buffer"], eager_opt.state[p]["momentum_buffer"])
+            torch.testing.assert_close(compiled_opt.state[q], eager_opt.state[p])
     assert counter.frame_count == 3
+    assert all(("second_moment" in eager_opt.state[p]) == bool(refinements) for p in eager)
+
+
+def test_polar_express_lands_closer_to_the_polar_factor():
+    """On badly conditioned stacks, Polar Express's quintics end about twice as close to U V^T (from the SVD)
+    as torch.optim.Muon's one quintic at the same five iterations, and lift the smallest singular values."""
+    from train_gpt2 import POLAR_EXPRESS, POLAR_EXPRESS_MARGIN, newton_schulz
+    torch.manual_seed(0)
+    muons = (tuple(torch.optim.Muon([torch.nn.Parameter(torch.zeros(2, 2))]).defaults["ns_coefficients"]),) * 5
+    for shape in [(4, 32, 96), (4, 96, 32), (2, 128, 512)]:
+        grads = torch.randn(shape) @ torch.diag(torch.logspace(0, 2, shape[-1]))
+        u, _, vh = torch.linalg.svd(grads.double(), full_matrices=False)
+        polar = u @ vh
+        ns = newton_schulz(grads, muons, 1.0, 1e-7).double()
+        pe = newton_schulz(grads, POLAR_EXPRESS, POLAR_EXPRESS_MARGIN, 1e-7).double()
+        assert (pe - polar).norm() < 0.6 * (ns - polar).norm()
+        assert torch.linalg.svdvals(pe).min() > 0.8 > 0.7 > torch.linalg.svdvals(ns).min()
+
+
+def test_normuon_evens_out_rows_and_keeps_the_updates_norm():
+    """From zero weights, without momentum or weight decay, the step is the update itself. NorMuon's first
+    update has rows (a wide matrix: columns) of one length and Muon's Frobenius norm; its second divides each
+    row of Muon's update by the root of the running mean square (0.95 * first + 0.05 * second)."""
+    from train_gpt2 import BatchedMuon
+    torch.manual_seed(0)
+    shapes = [(96, 32), (32, 96), (48, 48)]
+    plain = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    evened = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    settings = dict(lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0)
+    plain_opt, evened_opt = BatchedMuon(plain, **settings), BatchedMuon(evened, normuon_beta2=0.95, **settings)
+
+    def steps():
+        before = [p.detach().clone() for p in plain + evened]
+        give_same_grads(plain, evened)
+        plain_opt.step()
+        evened_opt.step()
+        moved = [b - p.detach() for b, p in zip(before, plain + evened)]
+        return moved[:len(shapes)], moved[len(shapes):]
+
+    def rows(m):  # the side NorMuon evens out, as rows
+        return m.mT if m.size(0) < m.size(1) else m
+
+    first_plain, first = steps()
+    for muon, norm in zip(first_plain, first):
+        lengths = rows(norm).norm(dim=1)
+        torch.testing.assert_close(lengths, lengths.mean().expand_as(lengths), rtol=1e-2, atol=0)
+        torch.testing.assert_close(norm.norm(), muon.norm(), rtol=1e-2, atol=0)
+    second_plain, second = steps()
+    for p, muon_1, muon_2, norm_2 in zip(evened, first_plain, second_plain, second):
+        scale = max(1, p.size(0) / p.size(1)) ** 0.5  # the lr scale of tall matrices
+        mean_square = 0.95 * 0.05 * rows(muon_1 / scale).square().mean(1) + 0.05 * rows(muon_2 / scale).square().mean(1)
+        torch.testing.assert_close(evened_opt.state[p]["second_moment"].flatten(), mean_square, rtol=2e-2, atol=0)
+        ratio = rows(norm_2) / rows(muon_2)  # one number per row, proportional to 1 / sqrt(mean_square)
+        expected = mean_square.rsqrt()
+        expected = expected * (ratio.mean(1) / expected).mean()
+        torch.testing.assert_close(ratio, expected[:, None].expand_as(ratio), rtol=3e-2, atol=0)
+        torch.testing.assert_close(norm_2.norm(), muon_2.norm(), rtol=1e-2, atol=0)
 
 
 def test_logged_lr_follows_the_schedule(tmp_path, shards, capsys):
@@ -295,14 +359,15 @@ def test_total_batch_size_derives_accumulation(tmp_path, shards, capsys):
     assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon", "lion", "adamw8bit"])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", "lion", "adamw8bit",
+                                       "muon --muon_orthogonalize polar_express --normuon_beta2 0.95"])
 def test_resume_from_a_periodic_checkpoint_gives_the_uninterrupted_losses(tmp_path, shards, capsys, monkeypatch,
                                                                            optimizer):
     import train_gpt2
     if optimizer == "adamw8bit":
         pytest.importorskip("torchao", reason="--optimizer adamw8bit needs torchao (pip install torchao)")
     monkeypatch.setattr(train_gpt2.os, "remove", lambda path: None)  # keep the step-4 checkpoint around
-    extra = ["--optimizer", optimizer, "--lr_floor", "0.1"]
+    extra = ["--optimizer", *optimizer.split(), "--lr_floor", "0.1"]
     run(capsys, shards, tmp_path, "straight", "--num_iterations", "8", "--save_every", "4", *extra)
     straight = train_losses(tmp_path / "straight")
     ckpt = tmp_path / "straight" / "ckpt_000004.pt"
@@ -616,6 +681,7 @@ def test_unknown_model_suggests_close_names(tmp_path, shards, capsys):
     (["--weight_decay", "-1"], "--weight_decay -1.0 must be a finite number >= 0"),
     (["--optimizer", "muon", "--muon_lr", "-0.02"], "--muon_lr -0.02 must be a finite number >= 0"),
     (["--muon_momentum", "1.5"], "--muon_momentum 1.5 must be in [0, 1)"),
+    (["--normuon_beta2", "1"], "--normuon_beta2 1.0 must be in [0, 1) (e.g. 0.95; 0: off)"),
     (["--sequence_length", "2048"], "pass --block_size 2048"),
     (["--resume", "/nonexistent.pt"], "no such checkpoint"),
     (["--memory_cap_gib", "22"], "--memory_cap_gib limits GPU memory; drop it on CPU"),
@@ -762,6 +828,8 @@ def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
     d12, fast = parse_args([]), parse_args(["--model", "d12_fast"])
     assert (d12.optimizer, d12.learning_rate, d12.total_batch_size) == ("adamw", 0.0018, None)
     assert (fast.optimizer, fast.total_batch_size, fast.batch_size, fast.lr_floor) == ("muon", 65536, 32, 0.1)
+    assert (fast.warmdown_iters, fast.num_iterations, fast.normuon_beta2) == (16000, 16000, 0.95)
+    assert (d12.normuon_beta2, d12.muon_orthogonalize) == (0.0, "newton_schulz")
     assert parse_args(["--model", "d12_fast", "--batch_size", "16"]).batch_size == 16
     assert d12.coordinate_descent_tuning and not fast.coordinate_descent_tuning  # on/off flags too
     assert not parse_args(["--model=d12_fast", "--no-coordinate_descent_tuning"]).coordinate_descent_tuning
