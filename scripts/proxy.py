@@ -33,7 +33,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from model_variants import RECIPES  # noqa: E402
-from train_gpt2 import InputError, parse_args, read_shard_header, resolve_grad_accumulation  # noqa: E402
+from train_gpt2 import (InputError, overtime_applies, parse_args, read_shard_header,  # noqa: E402
+                        resolve_grad_accumulation)
 
 # NoCap-Test's baseline schedule: 4768 steps, 256 of linear warmup, a linear warmdown over the last 1024.
 NOCAP_STEPS, NOCAP_WARMUP, NOCAP_WARMDOWN = 4768, 256, 1024
@@ -216,12 +217,14 @@ def stage(src: str, data: str) -> list[str]:
 
 def shards_ready(protocol: Protocol, spec: Spec, data: str) -> bool:
     """Whether the shards this run reads are in data: the present prefix of the protocol's shards holds all
-    its micro-batches (walked as the trainer's loader walks them), or every shard is there."""
+    its micro-batches, overtime steps included (walked as the trainer's loader walks them), or every shard is
+    there."""
     args = trainer_args(spec.model, spec.flags)
     if args.bos_align:  # how far its rows reach depends on the documents' lengths: wait for every shard
         return all(os.path.exists(os.path.join(data, shard)) for shard in protocol.train_shards)
     window = args.batch_size * args.sequence_length
-    needed = spec.steps * resolve_grad_accumulation(args, world_size=1)
+    steps = spec.steps + (args.overtime_steps if overtime_applies(args) else 0)
+    needed = steps * resolve_grad_accumulation(args, world_size=1)
     for shard in protocol.train_shards:
         path = os.path.join(data, shard)
         if not os.path.exists(path):

@@ -131,6 +131,11 @@ def test_a_run_starts_only_when_its_shards_are_there(tmp_path):
     short = proxy.parse_spec(protocol, "short:tiny --num_iterations 31", TINY.split())
     long = proxy.parse_spec(protocol, "long:tiny --num_iterations 32", TINY.split())
     assert proxy.shards_ready(protocol, short, str(data)) and not proxy.shards_ready(protocol, long, str(data))
+    # A run that may train on past its schedule (a target and --overtime_steps) reads that far too.
+    ontime = proxy.parse_spec(protocol, "ontime:tiny --num_iterations 30 --overtime_steps 1", TINY.split())
+    over = proxy.parse_spec(protocol, "over:tiny --num_iterations 30 --overtime_steps 2 --target_val_loss 3",
+                            TINY.split())
+    assert proxy.shards_ready(protocol, ontime, str(data)) and not proxy.shards_ready(protocol, over, str(data))
     aligned = proxy.parse_spec(protocol, "aligned:tiny --num_iterations 1 --bos_align true", TINY.split())
     assert not proxy.shards_ready(protocol, aligned, str(data))  # its reach depends on the documents: all shards
     make_shards(data, prefix="mix", n_train=2, train_tokens=2_000)
