@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: set up, download the FineWeb shards d12_fast reads, and train it until val loss <= 3.3821.
-# d12_fast's recipe (model_variants.RECIPES) is 16,000 steps of 65,536 tokens (1.05B tokens) plus up to 4,000
+# d12_fast's recipe (model_variants.RECIPES) is 16,000 steps of 65,536 tokens (1.05B tokens) plus up to 8,000
 # overtime steps at the final learning rate if the schedule ends above the target; the run stops at the first
 # evaluation at or under it. Extra flags are passed on (e.g. --batch_size 16 on a card with less memory:
 # accumulation doubles, tokens per step stay); flags that lengthen the run read past the downloaded shards
