@@ -65,6 +65,15 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
+def _parse_val_rows(text: str) -> int | str:
+    if text == "train":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'train', got {text!r}") from None
+
+
 def add_model_flags(parser: argparse.ArgumentParser):
     """--model plus one override flag per GPTConfig field (shared by the trainer and the tools)."""
     g = parser.add_argument_group("model")
@@ -168,9 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("evaluation")
     g.add_argument("--val_loss_every", type=int, default=128, help="evaluate every N steps (0: only at the end)")
     g.add_argument("--val_batch_size", type=int, default=16, help="validation rows per batch per GPU")
-    g.add_argument("--val_sequence_length", type=int, default=None,
-                   help="tokens per validation row (default: NoCap's 1024, or --sequence_length if shorter), so "
-                        "a model trained on longer rows is scored as NoCap scores")
+    g.add_argument("--val_sequence_length", type=_parse_val_rows, default=None,
+                   help="tokens per validation row (default: NoCap's 1024, or --sequence_length if shorter), or "
+                        "'train': the training rows. Longer rows (a multiple of 1024) score the same tokens with "
+                        "more context and decide the target; NoCap's 1024-token rows are scored beside them and "
+                        "reported as val_loss_1024")
     g.add_argument("--target_val_loss", type=float, default=NOCAP_TARGET_VAL_LOSS,
                    help="stop at the first evaluation at or below this (0 disables)")
     g.add_argument("--overtime_steps", type=int, default=0,
@@ -269,8 +280,13 @@ def check_run_flags(args):
     if (args.layerdrop > 0) != (args.layerdrop_iters > 0):
         raise InputError("--layerdrop and --layerdrop_iters go together: the probability falls from --layerdrop "
                          "to 0 over --layerdrop_iters steps; pass both (> 0) or neither")
-    if args.val_sequence_length is not None and args.val_sequence_length < 1:
+    if isinstance(args.val_sequence_length, int) and args.val_sequence_length < 1:
         raise InputError(f"--val_sequence_length {args.val_sequence_length} must be >= 1")
+    if val_row_length(args) > NOCAP_VAL_ROW and val_row_length(args) % NOCAP_VAL_ROW:
+        raise InputError(f"--val_sequence_length {val_row_length(args)}: rows longer than NoCap's {NOCAP_VAL_ROW} "
+                         f"must be a multiple of it, so that NoCap's rows of the same tokens are scored beside them; "
+                         f"pass {val_row_length(args) // NOCAP_VAL_ROW * NOCAP_VAL_ROW or NOCAP_VAL_ROW} or "
+                         f"{(val_row_length(args) // NOCAP_VAL_ROW + 1) * NOCAP_VAL_ROW}")
     if args.optimizer == "adamw8bit" and importlib.util.find_spec("torchao") is None:
         raise InputError("--optimizer adamw8bit: its 8-bit AdamW comes from torchao, which is not installed; "
                          "pip install torchao, or pick another --optimizer")
@@ -331,8 +347,21 @@ def check_window_warmup(args, config: GPTConfig):
 
 
 def val_row_length(args) -> int:
-    """Validation rows: NoCap's 1024 tokens whatever training's row length, or shorter rows for short models."""
+    """Validation rows: NoCap's 1024 tokens whatever training's row length (shorter rows for short models),
+    --val_sequence_length's, or the training rows ("train")."""
+    if args.val_sequence_length == "train":
+        return args.sequence_length
     return args.val_sequence_length or min(NOCAP_VAL_ROW, args.sequence_length)
+
+
+def scores_nocap_rows(args) -> bool:
+    """Whether validation rows are longer than NoCap's, so that NoCap's 1024-token rows are scored beside them."""
+    return val_row_length(args) > NOCAP_VAL_ROW
+
+
+def nocap_rows_batch(args) -> int:
+    """Rows per batch of NoCap's 1024-token rows that hold a batch of validation rows' tokens (the same memory)."""
+    return args.val_batch_size * val_row_length(args) // NOCAP_VAL_ROW
 
 
 def overtime_applies(args) -> bool:
@@ -2173,16 +2202,18 @@ class RunLog:
 
 def format_summary(summary: dict) -> str:
     """The grep-able block every run ends with."""
-    keys = ("status", "reached_target", "target_val_loss", "final_val_loss", "steps", "overtime_steps", "tokens",
-            "train_time_s", "compile_s", "eval_time_s", "wall_time_s", "tokens_per_s", "mfu", "peak_mem_mib")
+    keys = ("status", "reached_target", "target_val_loss", "final_val_loss", "final_val_loss_1024", "steps",
+            "overtime_steps", "tokens", "train_time_s", "compile_s", "eval_time_s", "wall_time_s", "tokens_per_s",
+            "mfu", "peak_mem_mib")
     lines = ["---"]
-    for key in keys:
+    for key in filter(summary.__contains__, keys):  # final_val_loss_1024 only where validation rows are longer
         value = summary[key]
         if value is None:
             value = "n/a"
         elif isinstance(value, float):
-            value = f"{value:.4f}" if key in ("final_val_loss", "target_val_loss", "mfu") else f"{value:.1f}"
-        lines.append(f"{key + ':':<17}{value}")
+            value = f"{value:.4f}" if key in ("final_val_loss", "final_val_loss_1024", "target_val_loss", "mfu") \
+                else f"{value:.1f}"
+        lines.append(f"{key + ':':<{max(17, len(key) + 2)}}{value}")  # aligned; a longer key keeps a space
     return "\n".join(lines)
 
 
@@ -2269,6 +2300,7 @@ class Run:
     layout: dict  # what a checkpoint must match to be resumed here
     compiled: bool
     average: WeightAverage | None  # --ema_decay's average of the weights; None without it
+    nocap_val: ValidationSet | None = None  # val's tokens in NoCap's 1024-token rows, where val's rows are longer
     start_step: int = 0
     train_time_s: float = 0.0  # optimizer steps only, carried over a resume
     evaluated_at_start: bool = False  # the checkpoint resumed from was taken right after an evaluation
@@ -2313,6 +2345,12 @@ def setup_run(args) -> Run:
         train_loader = TokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
     val = ValidationSet(args.input_val_bin, args.val_tokens, args.val_batch_size, val_row_length(args), env.rank,
                         env.world_size, config.vocab_size, env.device)
+    # NoCap scores 1024-token rows; rows longer than that give most tokens more context. Both are reported: the
+    # same tokens in NoCap's rows.
+    nocap_val = None
+    if scores_nocap_rows(args):
+        nocap_val = ValidationSet(args.input_val_bin, args.val_tokens, nocap_rows_batch(args), NOCAP_VAL_ROW,
+                                  env.rank, env.world_size, config.vocab_size, env.device)
 
     torch.manual_seed(args.seed)
     raw_model = GPT(config).to(env.device)
@@ -2368,7 +2406,7 @@ def setup_run(args) -> Run:
     # NoCap: bf16 autocast on CUDA; CPU runs stay in fp32 so tests are exact.
     autocast_ctx = precision(env.device, "bf16" if env.device.type == "cuda" else "fp32")
     run = Run(args, env, config, run_dir, raw_model, model, eval_model, optimizer, train_loader, val, log,
-              autocast_ctx, accumulation, layout, compiled, average, **resumed)
+              autocast_ctx, accumulation, layout, compiled, average, nocap_val=nocap_val, **resumed)
 
     log.write_json("config.json", dict(
         args=vars(args), model_config=asdict(config), run_dir=run_dir, git_sha=git_sha(),
@@ -2487,9 +2525,10 @@ def warm_up_compile(run: Run) -> float:
         notice(f"torch.compile split the training step at {breaks} graph break(s); TORCH_LOGS=graph_breaks "
                f"names them")
     run.eval_model.eval()
-    with torch.no_grad(), precision(run.env.device, run.args.val_dtype):  # the evaluation graph, in its precision
-        x, y = next(iter(run.val))
-        run.eval_model(x, y, return_logits=False)
+    with torch.no_grad(), precision(run.env.device, run.args.val_dtype):  # the evaluation graphs, in their precision
+        for val in filter(None, (run.val, run.nocap_val)):
+            x, y = next(iter(val))
+            run.eval_model(x, y, return_logits=False)
     run.eval_model.train()
     run.raw_model.load_state_dict(model_state)
     run.optimizer.load_state_dict(optimizer_state)
@@ -2555,18 +2594,31 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
-def evaluate_and_record(run: Run, step: int, stop: StopSignal) -> tuple[float | None, float]:
-    """NoCap's evaluation of the model after `step` steps, written to metrics.jsonl: (val loss, seconds);
+@dataclass
+class Evaluation:
+    """The loss on the run's validation rows (what the target is judged on), and the same tokens' loss in
+    NoCap's 1024-token rows where those rows are longer (else None)."""
+    val_loss: float
+    val_loss_1024: float | None
+
+
+def evaluate_and_record(run: Run, step: int, stop: StopSignal) -> tuple[Evaluation | None, float]:
+    """The evaluation of the model after `step` steps, written to metrics.jsonl: (its losses, seconds);
     (None, seconds) when a signal cut it short."""
     t0 = time.perf_counter()
+    losses = []
     with run.average.applied() if run.average is not None else contextlib.nullcontext():
-        val_loss = evaluate(run.eval_model, run.val, run.env.world_size, run.args.val_dtype,
-                            interrupted=lambda: agree(run.env, stop.signum)[0] > 0)
+        for val in filter(None, (run.val, run.nocap_val)):
+            losses.append(evaluate(run.eval_model, val, run.env.world_size, run.args.val_dtype,
+                                   interrupted=lambda: agree(run.env, stop.signum)[0] > 0))
+            if losses[-1] is None:
+                return None, time.perf_counter() - t0
     eval_s = time.perf_counter() - t0
-    if val_loss is not None:
-        run.log.record(step=step, tokens=run.tokens_through(step), val_loss=val_loss,
-                       train_time_s=run.train_time_s, eval_s=eval_s)
-    return val_loss, eval_s
+    result = Evaluation(losses[0], losses[1] if run.nocap_val is not None else None)
+    nocap_rows = {} if result.val_loss_1024 is None else dict(val_loss_1024=result.val_loss_1024)
+    run.log.record(step=step, tokens=run.tokens_through(step), val_loss=result.val_loss, **nocap_rows,
+                   train_time_s=run.train_time_s, eval_s=eval_s)
+    return result, eval_s
 
 
 def timed_step(run: Run, step: int) -> tuple[float, torch.Tensor, dict, float]:
@@ -2609,6 +2661,7 @@ class Outcome:
     status: str = "completed"  # reached_target | completed | missed_target | interrupted | diverged
     step: int = 0
     final_val_loss: float | None = None
+    final_val_loss_1024: float | None = None  # NoCap's 1024-token rows, where validation rows are longer
     compile_s: float = 0.0
     eval_time_s: float = 0.0
 
@@ -2672,12 +2725,14 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
         last_step, evaluated = step == final_step, False
         due = last_step or step == scheduled_end or (args.val_loss_every > 0 and step % args.val_loss_every == 0)
         if due and not (step == run.start_step and run.evaluated_at_start):
-            val_loss, eval_s = evaluate_and_record(run, step, stop)
+            result, eval_s = evaluate_and_record(run, step, stop)
             outcome.eval_time_s += eval_s
-            if val_loss is None:
+            if result is None:
                 continue  # a signal cut the evaluation short: the top of the loop checkpoints and stops
-            outcome.final_val_loss, evaluated = val_loss, True
-            emit(f"step:{step}/{final_step} | val loss {val_loss:.6f} | train_time {run.train_time_s:.1f}s")
+            val_loss, evaluated = result.val_loss, True
+            outcome.final_val_loss, outcome.final_val_loss_1024 = val_loss, result.val_loss_1024
+            nocap_rows = "" if result.val_loss_1024 is None else f" (1024-token rows: {result.val_loss_1024:.6f})"
+            emit(f"step:{step}/{final_step} | val loss {val_loss:.6f}{nocap_rows} | train_time {run.train_time_s:.1f}s")
             if 0 < args.target_val_loss and val_loss <= args.target_val_loss:
                 outcome.status = "reached_target"
                 break
@@ -2739,6 +2794,8 @@ def finish(run: Run, outcome: Outcome, meter: StepMeter | None, wall_start: floa
         wall_time_s=time.perf_counter() - wall_start, tokens_per_s=tokens_per_s,
         mfu=meter.steady_mfu() if meter is not None else None,
         peak_mem_mib=meter.peak_mem_mib() if meter is not None else None, model=args.model, run_dir=run.run_dir)
+    if run.nocap_val is not None:
+        summary["final_val_loss_1024"] = outcome.final_val_loss_1024
     run.log.write_json("summary.json", summary)
     run.log.print(format_summary(summary))
     if run.env.world_size > 1:

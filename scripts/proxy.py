@@ -247,10 +247,12 @@ def train_command(protocol: Protocol, spec: Spec, data: str, runs_dir: str) -> l
 
 def score_checks(protocol: Protocol, run_dir: str, data: str) -> dict:
     """The final checkpoint's loss (fp32, NoCap protocol) on each real-FineWeb check shard present in data,
-    scored in this process: one model load for all the shards, no interpreter start per shard."""
+    scored in this process: one model load for all the shards, no interpreter start per shard. A run validated
+    on rows longer than NoCap's is scored on those and, as "<shard>@1024", on NoCap's 1024-token rows."""
     import torch
     from eval_checkpoint import score
-    from train_gpt2 import model_from_checkpoint, pick_device, val_row_length
+    from train_gpt2 import (NOCAP_VAL_ROW, model_from_checkpoint, nocap_rows_batch, pick_device, scores_nocap_rows,
+                            val_row_length)
     checkpoints = sorted(f for f in os.listdir(run_dir) if f.startswith("ckpt_") and f.endswith(".pt"))
     present = [(shard, tokens) for shard, tokens in protocol.checks if os.path.exists(os.path.join(data, shard))]
     if not checkpoints or not present:
@@ -261,6 +263,10 @@ def score_checks(protocol: Protocol, run_dir: str, data: str) -> dict:
     # training rows: a run trained on longer rows is scored on the checks like every other.
     scores = {shard: score(model, os.path.join(data, shard), tokens, run_args.val_batch_size, val_row_length(run_args))
               for shard, tokens in present}
+    if scores_nocap_rows(run_args):
+        scores.update({f"{shard}@{NOCAP_VAL_ROW}": score(model, os.path.join(data, shard), tokens,
+                                                         nocap_rows_batch(run_args), NOCAP_VAL_ROW)
+                       for shard, tokens in present})
     del model
     torch.cuda.empty_cache()
     return scores

@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from conftest import shrink, tiny_run_args, train_losses
+from conftest import REPO, read_metrics, shrink, tiny_run_args, train_losses
 from model_variants import D12, TINY
-from train_gpt2 import (GPT, Lion, blocks_to_drop, build_parser, layerdrop_at, lr_scale, main, row_length_at,
-                        val_row_length, warm_up_steps)
+from train_gpt2 import (GPT, Lion, blocks_to_drop, build_parser, layerdrop_at, lr_scale, main, model_from_checkpoint,
+                        row_length_at, val_row_length, warm_up_steps)
 
 
 def parse(*flags) -> Namespace:
@@ -255,6 +255,38 @@ def test_validation_rows_stay_at_nocaps_1024_when_training_rows_grow(tmp_path, s
                               "--warmdown_iters", "1")) == 0
     capsys.readouterr()
     assert rows == [16]
+
+
+def test_longer_validation_rows_decide_the_target_and_nocaps_rows_are_scored_beside_them(tmp_path, shards, capsys):
+    import json
+    import sys
+    sys.path.insert(0, str(REPO / "scripts"))
+    from eval_checkpoint import score
+    assert val_row_length(parse("--sequence_length", "4096", "--val_sequence_length", "train")) == 4096
+    assert val_row_length(parse("--sequence_length", "512", "--val_sequence_length", "train")) == 512
+    # Trained on 32-token rows, validated on 2048-token rows of the first 4,096 validation tokens.
+    assert main(tiny_run_args(shards, tmp_path, "long", "--block_size", "2048", "--val_sequence_length", "2048",
+                              "--val_batch_size", "1", "--val_tokens", "4096")) == 0
+    out = capsys.readouterr().out
+    run = tmp_path / "long"
+    evals = [m for m in read_metrics(run) if "val_loss" in m]
+    assert [m["step"] for m in evals] == [0, 3, 6] and all("val_loss_1024" in m for m in evals)
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["final_val_loss"], summary["final_val_loss_1024"]) == (evals[-1]["val_loss"],
+                                                                           evals[-1]["val_loss_1024"])
+    assert f"final_val_loss_1024: {summary['final_val_loss_1024']:.4f}" in out
+    assert "(1024-token rows: " in out
+    # The two numbers are the final weights' losses on the same tokens in 2048- and in 1024-token rows.
+    model, _ = model_from_checkpoint(str(next(run.glob("ckpt_*.pt"))), torch.device("cpu"))
+    val_bin = shards[1]
+    assert evals[-1]["val_loss"] == pytest.approx(score(model, val_bin, 4096, 1, 2048), abs=1e-6)
+    assert evals[-1]["val_loss_1024"] == pytest.approx(score(model, val_bin, 4096, 2, 1024), abs=1e-6)
+    assert evals[-1]["val_loss"] != evals[-1]["val_loss_1024"]
+    # At NoCap's rows nothing is scored twice.
+    assert main(tiny_run_args(shards, tmp_path, "nocap", "--block_size", "2048", "--val_sequence_length", "1024",
+                              "--val_batch_size", "1", "--val_tokens", "4096")) == 0
+    assert not any("val_loss_1024" in m for m in read_metrics(tmp_path / "nocap"))
+    assert "final_val_loss_1024" not in json.loads((tmp_path / "nocap" / "summary.json").read_text())
 
 
 def test_d12_nocap_is_d12_swiglu_trained_with_the_plans_schedule_ideas():

@@ -118,9 +118,10 @@ TINY = ("--vocab_size 256 --device cpu --batch_size 2 --sequence_length 32 --gra
 
 
 def tiny_protocol(**changes):
-    checks = (("fwtextfixer_val_000000.bin", 256), ("fwlegal_val_000000.bin", 512))
-    return proxy.Protocol("P100", tuple(f"mix_train_00000{i}.bin" for i in (1, 2)), checks,
-                          reference=dict(num_iterations=8, val_loss_every=4), forms={}, **changes)
+    fields = dict(checks=(("fwtextfixer_val_000000.bin", 256), ("fwlegal_val_000000.bin", 512)),
+                  reference=dict(num_iterations=8, val_loss_every=4), forms={})
+    fields.update(changes)
+    return proxy.Protocol("P100", tuple(f"mix_train_00000{i}.bin" for i in (1, 2)), **fields)
 
 
 def test_a_run_starts_only_when_its_shards_are_there(tmp_path):
@@ -216,3 +217,22 @@ def test_the_checks_are_scored_on_the_runs_validation_rows(tmp_path, shards, cap
     check = str(data / "fwtextfixer_val_000000.bin")
     assert checks == {"fwtextfixer_val_000000.bin": score(model, check, 256, 2, 16)}
     assert checks["fwtextfixer_val_000000.bin"] != score(model, check, 256, 2, 32)  # the training rows differ
+
+
+def test_a_run_validated_on_longer_rows_is_also_checked_on_nocaps_rows(tmp_path, shards, capsys):
+    import shutil
+    from conftest import tiny_run_args
+    from eval_checkpoint import score
+    from train_gpt2 import main, model_from_checkpoint
+    assert main(tiny_run_args(shards, tmp_path, "run", "--block_size", "2048", "--val_sequence_length", "2048",
+                              "--val_batch_size", "1", "--val_tokens", "4096")) == 0
+    capsys.readouterr()
+    run_dir, data = tmp_path / "run", tmp_path / "checks"
+    data.mkdir()
+    shutil.copy(tmp_path / "data" / "syn_val_000000.bin", data / "fwtextfixer_val_000000.bin")
+    protocol = tiny_protocol(checks=(("fwtextfixer_val_000000.bin", 4096),))
+    checks = proxy.score_checks(protocol, str(run_dir), str(data))
+    model, _ = model_from_checkpoint(str(next(run_dir.glob("ckpt_*.pt"))), "cpu")
+    check = str(data / "fwtextfixer_val_000000.bin")
+    assert checks == {"fwtextfixer_val_000000.bin": score(model, check, 4096, 1, 2048),
+                      "fwtextfixer_val_000000.bin@1024": score(model, check, 4096, 2, 1024)}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO, make_shards, read_metrics, tiny_run_args, train_losses
-from train_gpt2 import InputError, build_parser, format_summary, lr_scale, main, peak_flops
+from train_gpt2 import InputError, build_parser, format_summary, lr_scale, main, peak_flops, val_row_length
 
 
 def run(capsys, shards, out, name="run", *extra):
@@ -696,6 +696,8 @@ def test_unknown_model_suggests_close_names(tmp_path, shards, capsys):
     (["--layerdrop", "1.0", "--layerdrop_iters", "3"], "--layerdrop 1.0 is a probability"),
     (["--layerdrop", "0.2"], "--layerdrop and --layerdrop_iters go together"),
     (["--val_sequence_length", "2048"], "--val_sequence_length 2048 exceeds the model's block_size"),
+    (["--val_sequence_length", "1536", "--block_size", "2048"],
+     "--val_sequence_length 1536: rows longer than NoCap's 1024 must be a multiple of it"),
     (["--ema_decay", "1"], "--ema_decay 1.0 must be in [0, 1)"),
     (["--ema_decay", "0.9", "--ema_start", "6"], "--ema_start 6: pass a step from 0 to --num_iterations 6 - 1"),
     (["--ema_start", "2"], "--ema_start 2 needs --ema_decay"),
@@ -827,7 +829,10 @@ def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
     from train_gpt2 import parse_args
     d12, fast = parse_args([]), parse_args(["--model", "d12_fast"])
     assert (d12.optimizer, d12.learning_rate, d12.total_batch_size) == ("adamw", 0.0018, None)
-    assert (fast.optimizer, fast.total_batch_size, fast.batch_size, fast.lr_floor) == ("muon", 65536, 32, 0.1)
+    assert (fast.optimizer, fast.total_batch_size, fast.batch_size, fast.lr_floor) == ("muon", 65536, 8, 0.1)
+    assert (fast.sequence_length, val_row_length(fast), fast.val_batch_size) == (4096, 4096, 4)
+    shorter = parse_args(["--model", "d12_fast", "--sequence_length", "1024", "--batch_size", "32"])
+    assert val_row_length(shorter) == 1024  # validated on the rows it trains on
     assert (fast.warmdown_iters, fast.num_iterations, fast.normuon_beta2) == (16000, 16000, 0.95)
     assert (d12.normuon_beta2, d12.muon_orthogonalize) == (0.0, "newton_schulz")
     assert parse_args(["--model", "d12_fast", "--batch_size", "16"]).batch_size == 16
