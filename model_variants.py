@@ -270,9 +270,9 @@ VARIANTS: dict[str, GPTConfig] = {
 # Training settings a variant brings along: train_gpt2.py takes them as its flag defaults when --model
 # names the variant, and flags given on the command line still win. Keys are the trainer's flag names.
 RECIPES: dict[str, dict] = {
-    # FineWeb schedule, sized in docs/RESULTS.md: 16,000 steps of 65,536 tokens (1.05B), above the 0.6-0.9B that
+    # FineWeb schedule, sized in docs/RESULTS.md: 16,000 steps of 65,536 tokens (1.05B), above the 0.6-1.0B that
     # the P100 horizon curve projects for val <= 3.3821 and short of its range's upper end, 1.3B: 1.75x too long
-    # crosses a target ~15% later, 1.17x 0-6%, and 0.81x too short ~17% (it trains on at the final lr, up to 8,000
+    # crosses a target ~15% later, 1.05x no later, and 0.81x too short ~17% (it trains on at the final lr, up to 8,000
     # overtime steps, enough for that end). The run stops at the first evaluation under the target. The lr decays
     # linearly to 10% over the whole run, not only its second half: a schedule longer than needed then crosses a
     # target sooner, as the loss falls with the lr, for ~1% more tokens where the schedule is the right length.
