@@ -11,8 +11,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import (NOCAP_VAL_ROW, ValidationSet, evaluate, model_from_checkpoint, pick_device,  # noqa: E402
-                        report_input_errors)
+from train_gpt2 import (NOCAP_VAL_ROW, InputError, ValidationSet, evaluate, model_from_checkpoint,  # noqa: E402
+                        pick_device, report_input_errors)
 
 
 def score(model, val_bin: str, val_tokens: int, val_batch_size: int, sequence_length: int, dtype: str = "fp32") -> float:
@@ -38,6 +38,10 @@ def main(argv=None) -> int:
 
     def run() -> int:
         model, ckpt = model_from_checkpoint(args.checkpoint, pick_device(args.device))
+        block_size = model.config.block_size
+        if args.sequence_length and args.sequence_length > block_size:
+            raise InputError(f"--sequence_length {args.sequence_length} is longer than the checkpoint's block_size "
+                             f"{block_size}; pass --sequence_length {block_size} or less")
         loss = score(model, args.val_bin, args.val_tokens, args.val_batch_size,
                      args.sequence_length or min(NOCAP_VAL_ROW, ckpt["sequence_length"]), args.val_dtype)
         print(f"val_loss: {loss:.6f}")

@@ -896,6 +896,11 @@ def test_eval_checkpoint_scores_like_the_trainer(tmp_path, shards, capsys):
     assert eval_checkpoint.main(["--checkpoint", ckpt, "--val_bin", shards[1], "--val_tokens", "250",
                                  "--device", "cpu"]) == 2
     assert capsys.readouterr().err.startswith("error: --val_tokens 250 is not a multiple")
+    # Rows longer than the model's positions: one line naming the flag and the longest row it takes.
+    assert eval_checkpoint.main(["--checkpoint", ckpt, "--val_bin", shards[1], "--val_tokens", "4096",
+                                 "--val_batch_size", "1", "--sequence_length", "4096", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == ("error: --sequence_length 4096 is longer than the checkpoint's block_size 2048; "
+                                       "pass --sequence_length 2048 or less\n")
 
 
 def test_wandb_is_only_imported_when_asked_for(tmp_path, shards, capsys, monkeypatch):
