@@ -33,18 +33,19 @@ def triton_runs_on(device: torch.device) -> bool:
 # Softcapped cross-entropy with its gradient
 #
 # Contract, for logits (N, W) of which the first `vocab` columns are the vocabulary (the rest is padding
-# that gets no probability), targets (N,) with -1 = ignored, and cap > 0 (or 0 = no softcap):
+# that gets no probability), targets (N, M): M targets per row scored against the same logits, -1 = ignored
+# (or (N,): one target), weights (M,) (None: ones), and cap > 0 (or 0 = no softcap):
 #   z = cap * tanh(logits / cap)                        (the softcapped logits; z = logits without a cap)
-#   losses[i] = logsumexp(z[i, :vocab]) - z[i, target[i]]           (0 for an ignored row)
-#   grad[i] = (softmax(z[i, :vocab]) - one_hot(target[i])) * dz/dlogits    (0 for an ignored row and for
-#             the padded columns), in the logits' dtype
-# The mean's 1/count is left to the caller, which folds it into the products that consume grad.
+#   losses[i, m] = logsumexp(z[i, :vocab]) - z[i, targets[i, m]]      (0 where the target is ignored)
+#   grad[i] = sum over m of weights[m] * (softmax(z[i, :vocab]) - one_hot(targets[i, m])) * dz/dlogits
+#             (no term for an ignored target; 0 in the padded columns), in the logits' dtype
+# losses has the targets' shape. The mean's 1/count is left to the caller, which folds it into the products
+# that consume grad.
 
 
-def softcap_cross_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, vocab: int,
-                                cap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The contract above in torch ops, computed in at least fp32. Returns (losses (N,) in at least fp32,
-    grad)."""
+def softcap_cross_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap: float,
+                                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract above in torch ops, computed in at least fp32. Returns (losses in at least fp32, grad)."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if cap:
         squashed = torch.tanh(z / cap)
@@ -53,31 +54,38 @@ def softcap_cross_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, voc
         padding = torch.arange(z.size(1), device=z.device) >= vocab
         z = z.masked_fill(padding, float("-inf"))  # exp() = 0: no probability, no gradient
     lse = torch.logsumexp(z, dim=1, keepdim=True)
-    valid = (targets != -1).unsqueeze(1)
-    safe_targets = targets.clamp(min=0).unsqueeze(1)
-    losses = ((lse - z.gather(1, safe_targets)) * valid).squeeze(1)
-    one_hot = torch.zeros_like(z).scatter_(1, safe_targets, 1.0)
-    grad = (torch.exp(z - lse) - one_hot) * valid
+    columns = targets.view(targets.size(0), -1)  # (N, M)
+    valid = columns != -1
+    safe_targets = columns.clamp(min=0)
+    losses = (lse - z.gather(1, safe_targets)) * valid
+    weights = torch.ones(columns.size(1), dtype=z.dtype, device=z.device) if weights is None else weights.to(z.dtype)
+    target_weights = weights * valid  # (N, M): an ignored target weighs nothing
+    hits = torch.zeros_like(z).scatter_add_(1, safe_targets, target_weights)
+    grad = torch.exp(z - lse) * target_weights.sum(dim=1, keepdim=True) - hits
     if cap:
         grad = grad * (1 - squashed * squashed)
-    return losses, grad.to(logits.dtype)
+    return losses.view(targets.shape), grad.to(logits.dtype)
 
 
-def softcap_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int,
-                          cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+def softcap_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap: float,
+                          weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract above: the Triton kernel where it runs (see triton_runs_on), else the torch version."""
     if not triton_runs_on(logits.device):
-        return softcap_cross_entropy_torch(logits, targets, vocab, cap)
+        return softcap_cross_entropy_torch(logits, targets, vocab, cap, weights)
     N, width = logits.shape
-    logits, targets = logits.contiguous(), targets.contiguous()  # the kernel steps along rows and targets by 1
-    losses = torch.empty(N, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
+    columns = targets.view(N, -1).contiguous()  # the kernel steps along rows and targets by 1
+    n_targets = columns.size(1)
+    weights = (torch.ones(n_targets, device=logits.device) if weights is None else weights).float().contiguous()
+    logits = logits.contiguous()
+    losses = torch.empty(N, n_targets, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
     grad = torch.empty_like(logits)
     # One program per row, the row in blocks of 2048 columns, 4 warps: within 0.05 ms of the fastest of
     # 1,024-4,096 columns x 2-8 warps on an H100.
-    _softcap_cross_entropy_rows[(N,)](logits, grad, targets, losses, logits.stride(0), grad.stride(0), vocab, width,
-                                      CAP=float(cap), FAST_TANH=logits.device.type == "cuda",
-                                      BLOCK=min(2048, triton.next_power_of_2(width)), num_warps=4)
-    return losses, grad
+    _softcap_cross_entropy_rows[(N,)](logits, grad, columns, weights, losses, logits.stride(0), grad.stride(0), vocab,
+                                      width, CAP=float(cap), FAST_TANH=logits.device.type == "cuda",
+                                      N_TARGETS=n_targets, BLOCK=min(2048, triton.next_power_of_2(width)),
+                                      num_warps=4)
+    return losses.view(targets.shape), grad
 
 
 if triton is not None:
@@ -99,12 +107,13 @@ if triton is not None:
         return x, x
 
     @triton.jit
-    def _softcap_cross_entropy_rows(logits_ptr, grad_ptr, targets_ptr, losses_ptr, logits_stride, grad_stride,
-                                    vocab, width, CAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK: tl.constexpr):
+    def _softcap_cross_entropy_rows(logits_ptr, grad_ptr, targets_ptr, weights_ptr, losses_ptr, logits_stride,
+                                    grad_stride, vocab, width, CAP: tl.constexpr, FAST_TANH: tl.constexpr,
+                                    N_TARGETS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         logits_row = logits_ptr + row * logits_stride
         grad_row = grad_ptr + row * grad_stride
-        target = tl.load(targets_ptr + row)
+        targets_row = targets_ptr + row * N_TARGETS
         # Pass 1: running max and sum of exp (online softmax), so one read of the row gives both.
         running_max = float("-inf")
         running_sum = 0.0
@@ -117,19 +126,24 @@ if triton is not None:
             running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
             running_max = new_max
         lse = running_max + tl.log(running_sum)
-        valid = target >= 0
-        safe_target = tl.where(valid, target, 0)
-        target_z, _ = _softcap(tl.load(logits_row + safe_target).to(tl.float32), CAP, FAST_TANH)
-        tl.store(losses_ptr + row, tl.where(valid, lse - target_z, 0.0))
+        # Each target's loss, and the weight of the row's softmax in the gradient: the sum of its targets'.
+        row_weight = 0.0
+        for m in tl.static_range(N_TARGETS):
+            target = tl.load(targets_row + m)
+            valid = target >= 0
+            target_z, _ = _softcap(tl.load(logits_row + tl.where(valid, target, 0)).to(tl.float32), CAP, FAST_TANH)
+            tl.store(losses_ptr + row * N_TARGETS + m, tl.where(valid, lse - target_z, 0.0))
+            row_weight += tl.where(valid, tl.load(weights_ptr + m), 0.0)
         # Pass 2: the gradient. This program read the row a moment ago, so it comes from L2.
-        row_weight = tl.where(valid, 1.0, 0.0)
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             in_vocab = cols < vocab
             x = tl.load(logits_row + cols, mask=in_vocab, other=0.0).to(tl.float32)
             z, squashed = _softcap(x, CAP, FAST_TANH)
-            g = tl.exp(z - lse) - tl.where(cols == safe_target, 1.0, 0.0)
+            g = tl.exp(z - lse) * row_weight
+            for m in tl.static_range(N_TARGETS):  # an ignored target (-1) matches no column
+                g -= tl.where(cols == tl.load(targets_row + m), tl.load(weights_ptr + m), 0.0)
             if CAP > 0:
                 g = g * (1.0 - squashed * squashed)
-            g = tl.where(in_vocab, g * row_weight, 0.0)
+            g = tl.where(in_vocab, g, 0.0)
             tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < width)

@@ -166,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LayerDrop: skip each block but the first with this probability at step 0, falling "
                         "linearly to 0 at step --layerdrop_iters (full depth after; never at evaluation)")
     g.add_argument("--layerdrop_iters", type=int, default=0, help="steps over which --layerdrop falls to 0")
+    g.add_argument("--extra_targets", type=int, default=0,
+                   help="parameter-free multi-token prediction: the head's logits at each position are also scored "
+                        "against the K tokens after the next, weighted 1/2, 1/4, ... in the training objective, "
+                        "each weight fading linearly to 0 over an equal share of the first --extra_targets_iters "
+                        "steps, the farthest target's first (evaluation scores the next token only). 0: off")
+    g.add_argument("--extra_targets_iters", type=int, default=0,
+                   help="steps until the extra targets' weights reach 0, e.g. two thirds of --num_iterations")
     g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay (all parameters)")
     g.add_argument("--ema_decay", type=float, default=0.0,
                    help="weight averaging: from step --ema_start on, keep an exponential moving average of the "
@@ -297,6 +304,12 @@ def check_run_flags(args):
         raise InputError(f"--muon_momentum {args.muon_momentum} must be in [0, 1)")
     if not 0 <= args.normuon_beta2 < 1:
         raise InputError(f"--normuon_beta2 {args.normuon_beta2} must be in [0, 1) (e.g. 0.95; 0: off)")
+    if args.extra_targets < 0:
+        raise InputError(f"--extra_targets {args.extra_targets}: pass how many tokens after the next to score too "
+                         "(e.g. 2), or 0 for none")
+    if (args.extra_targets > 0) != (args.extra_targets_iters > 0):
+        raise InputError("--extra_targets and --extra_targets_iters go together: the extra targets' weights fade "
+                         "to 0 over --extra_targets_iters steps; pass both (> 0) or neither")
     if not 0 <= args.ema_decay < 1:
         raise InputError(f"--ema_decay {args.ema_decay} must be in [0, 1) (e.g. 0.999; 0: no weight averaging)")
     if args.ema_decay and not 0 <= args.ema_start < args.num_iterations:
@@ -855,23 +868,40 @@ class GPT(nn.Module):
             logits = cap * torch.tanh(logits.float() / cap)
         return logits
 
-    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor, extra_weights: torch.Tensor | None = None,
+                  logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean cross-entropy of the head over hidden states h (B, T, n_embd) against targets (B, T), -1
-        ignored. With fused_head_loss a pass that builds a gradient takes HeadCrossEntropy (the same math,
-        fewer passes over the logits; in training, its logits product in FP8 where fp8_head asks for it)."""
+        ignored. With extra_weights (K,), the same logits are also scored against the K tokens after each
+        target (parameter-free multi-token prediction: position t against tokens t+2 .. t+1+K, where the row
+        has them). Returns (objective, means): means (1 + K,) holds each target's mean loss, detached, and the
+        objective is the next-token mean plus extra_weights[k-1] times the k-th extra mean.
+        A pass that builds a gradient takes HeadCrossEntropy under fused_head_loss (the same math, fewer passes
+        over the logits; in training, its logits product in FP8 where fp8_head asks for it), unless the
+        logits are at hand."""
         c = self.config
-        if c.fused_head_loss and torch.is_grad_enabled():
+        n_extra = 0 if extra_weights is None else extra_weights.numel()
+        # Column k: the target k tokens further on, -1 where the row ends first.
+        stacked = torch.stack([F.pad(targets[:, k:], (0, k), value=-1) for k in range(n_extra + 1)], dim=-1)
+        weights = torch.ones(1, device=h.device)
+        if n_extra:
+            weights = torch.cat([weights, extra_weights.to(weights.dtype)])
+        if logits is None and c.fused_head_loss and torch.is_grad_enabled():
             check_head_loss_kernel(h.device)
             fp8 = c.fp8_head and self.training and fp8_runs(h, "fp8_head")
-            return HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                          c.logit_softcap, compute_dtype(h), fp8)
-        return cross_entropy(self.logits(h), targets)
+            return HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), self.lm_head.weight,
+                                          stacked.reshape(-1, n_extra + 1), weights, c.logit_softcap,
+                                          compute_dtype(h), fp8)
+        logits = self.logits(h) if logits is None else logits
+        means = torch.stack([cross_entropy(logits, stacked[..., k]) for k in range(n_extra + 1)])
+        return (weights * means).sum(), means.detach()
 
     def forward(self, idx, targets=None, return_logits=True, cache: KVCache | None = None,
-                drop_blocks: tuple[int, ...] = (), local_window: int = 0):
+                drop_blocks: tuple[int, ...] = (), local_window: int = 0,
+                extra_target_weights: torch.Tensor | None = None):
         """idx, targets: (B, T) token ids. Returns (logits or None, loss or None, aux). The loss is the
-        next-token cross-entropy in eval mode and the training objective (plus weighted MTP and MoE
-        terms) in training mode; `aux` holds the terms (detached) for logging, empty in eval mode.
+        next-token cross-entropy in eval mode and the training objective (plus weighted extra-target, MTP
+        and MoE terms; extra_target_weights: see head_loss) in training mode; `aux` holds the terms
+        (detached) for logging, empty in eval mode.
         With a KV cache, idx continues the cached sequence (decoding). In training mode the blocks in
         drop_blocks pass the stream through unchanged (LayerDrop); in eval mode every block runs. A
         local_window other than 0 replaces the local layers' window (the window warmup; training only).
@@ -931,19 +961,18 @@ class GPT(nn.Module):
         aux = {}
         if targets is None:
             return self.logits(h[:, [-1], :]), None, aux  # inference: only the last position
-        if return_logits:
-            logits = self.logits(h)  # (B, T, vocab)
-            loss = cross_entropy(logits, targets)
-        else:
-            logits, loss = None, self.head_loss(h, targets)
+        logits = self.logits(h) if return_logits else None  # (B, T, vocab)
+        loss, target_means = self.head_loss(h, targets, extra_target_weights if self.training else None, logits)
         if self.training:
             objective = loss
-            aux["next_token_loss"] = loss.detach()
+            aux["next_token_loss"] = target_means[0]
+            for k, mean in enumerate(target_means[1:], start=1):
+                aux[f"extra_target_loss_{k}"] = mean
             if c.mtp_k:
                 mtp_losses = []
                 for j, proj in enumerate(self.mtp_proj, start=1):
                     # Position t predicts token t+1+j, i.e. targets[t + j]; the last j positions have none.
-                    mtp_losses.append(self.head_loss(self.norm_f(proj(h[:, :-j])), targets[:, j:]))
+                    mtp_losses.append(self.head_loss(self.norm_f(proj(h[:, :-j])), targets[:, j:])[0])
                     aux[f"mtp_loss_{j}"] = mtp_losses[-1].detach()
                 objective = objective + c.mtp_weight * torch.stack(mtp_losses).mean()
             if moe_terms:
@@ -1074,7 +1103,11 @@ class HeadCrossEntropy(torch.autograd.Function):
     logits once, inductor's fusion of the same math elsewhere). Autograd's version keeps the (N, vocab)
     logits and passes over them three more times in the backward (log-softmax's, tanh's and the cast's
     backward); here the backward is the two head products only. Products in `dtype` (bf16 under
-    autocast), the softmax in at least fp32. Shapes: h (N, d), w (V, d), targets (N,).
+    autocast), the softmax in at least fp32. Shapes: h (N, d), w (V, d), targets (N, M): M targets per
+    position scored against the same logits (GPT.head_loss's extra targets), weights (M,).
+
+    Returns (objective, means): means (M,) is each target's mean loss over the positions that have it (not
+    differentiable), objective the weighted sum of those means.
 
     The products run on the vocabulary padded with zero rows to a multiple of 64, the padded columns
     masked out of the softmax: GPT-2's 50,257 is odd, which leaves every row of the logits unaligned and
@@ -1086,7 +1119,7 @@ class HeadCrossEntropy(torch.autograd.Function):
     states' gradient an e5m2 copy of it, which costs the loss kernel more than the product saves."""
 
     @staticmethod
-    def forward(ctx, h, w, targets, cap: float, dtype: torch.dtype, fp8: bool = False):
+    def forward(ctx, h, w, targets, weights, cap: float, dtype: torch.dtype, fp8: bool = False):
         V = w.size(0)
         h_c, w_c = h.to(dtype), F.pad(w.to(dtype), (0, 0, 0, -V % 64))
         if fp8:
@@ -1094,21 +1127,26 @@ class HeadCrossEntropy(torch.autograd.Function):
             logits = torch._scaled_mm(h8, w8.t(), scale_a=h_scale, scale_b=w_scale, out_dtype=dtype)
         else:
             logits = h_c @ w_c.t()
-        losses, grad = kernels.softcap_cross_entropy(logits, targets, V, cap)
-        count = (targets != -1).sum()
-        ctx.save_for_backward(h_c, w_c, grad, count)
+        counts = (targets != -1).sum(dim=0)  # (M,)
+        # The kernel's gradient sums the targets' terms with these weights, so that, divided by the first
+        # target's count in the backward, each term is its own target's mean.
+        weights = weights.to(torch.promote_types(logits.dtype, torch.float32))
+        losses, grad = kernels.softcap_cross_entropy(logits, targets, V, cap, weights * counts[0] / counts.clamp(min=1))
+        means = losses.sum(dim=0) / counts
+        ctx.mark_non_differentiable(means)
+        ctx.save_for_backward(h_c, w_c, grad, counts[0])
         ctx.dtypes, ctx.vocab = (h.dtype, w.dtype), V
-        return losses.sum() / count
+        return (weights * means).sum(), means
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_objective, grad_means):
         h_c, w_c, grad, count = ctx.saved_tensors
         # The mean's 1/count and the incoming scalar scale the two (N, d) and (V, d) products, not the
         # (N, V) gradient.
-        scale = grad_loss / count
+        scale = grad_objective / count
         grad_h = (grad @ w_c) * scale
         grad_w = (grad.t() @ h_c)[:ctx.vocab] * scale
-        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None
+        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None
 
 
 def check_head_loss_kernel(device: torch.device):
@@ -1829,6 +1867,15 @@ def layerdrop_at(step: int, args) -> float:
     return args.layerdrop * (1 - step / args.layerdrop_iters)
 
 
+def extra_target_weights_at(step: int, args) -> list[float]:
+    """The weights of the --extra_targets at `step`: target k (k tokens after the next) starts at 2^-k and fades
+    linearly to 0 over the (K - k + 1)-th of K equal shares of --extra_targets_iters, so the farthest target
+    fades first and the nearest last, leaving next-token prediction alone from --extra_targets_iters on."""
+    K = args.extra_targets
+    share = args.extra_targets_iters / K
+    return [2.0 ** -k * min(1.0, max(0.0, 1 - (step - (K - k) * share) / share)) for k in range(1, K + 1)]
+
+
 def blocks_to_drop(step: int, micro_step: int, args, n_layer: int) -> tuple[int, ...]:
     """The blocks a micro-batch skips: each block but the first independently with layerdrop_at(step). The draw
     depends only on (seed, step, micro_step), so every process skips the same blocks and a resumed run draws
@@ -2427,14 +2474,17 @@ def setup_run(args) -> Run:
 
 def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
     """Optimizer step number step + 1 over the run's micro-batches at `scale` × each group's peak learning rate,
-    with the batch ramp's micro-batches, the curriculum's row length, the window warmup's local window and
-    LayerDrop's skipped blocks for that step. Returns the mean next-token loss (a device tensor) and the mean
-    of each auxiliary term the model reports (MTP losses, MoE balance and load)."""
+    with the batch ramp's micro-batches, the curriculum's row length, the window warmup's local window, the
+    extra targets' weights and LayerDrop's skipped blocks for that step. Returns the mean next-token loss (a device tensor) and the mean
+    of each auxiliary term the model reports (extra-target and MTP losses, MoE balance and load)."""
     step_loss = torch.zeros((), device=run.env.device)
     aux_means: dict[str, torch.Tensor] = {}
     rows = row_length_at(step, run.args)
     window = local_window_at(step, run.args, run.config)
     accumulation = run.accumulation_at(step)
+    # One tensor from the first step to the last (zeros once the weights have faded): a single compiled graph.
+    extra_weights = (torch.tensor(extra_target_weights_at(step, run.args), device=run.env.device)
+                     if run.args.extra_targets else None)
     for micro_step in range(accumulation):
         x, y = run.train_loader.next_batch()  # (B, T)
         if rows != x.size(1):  # the same tokens in the same order as (B * T / rows, rows)
@@ -2445,7 +2495,8 @@ def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
         sync = contextlib.nullcontext() if run.env.world_size == 1 or last else run.model.no_sync()
         with sync:
             with run.autocast_ctx:
-                _, objective, aux = run.model(x, y, return_logits=False, drop_blocks=drop, local_window=window)
+                _, objective, aux = run.model(x, y, return_logits=False, drop_blocks=drop, local_window=window,
+                                              extra_target_weights=extra_weights)
             (objective / accumulation).backward()
         step_loss += aux.pop("next_token_loss") / accumulation
         for name, value in aux.items():

@@ -51,11 +51,44 @@ def test_head_cross_entropy_matches_autograd_through_the_logits(cap, vocab):
     (2.5 * reference).backward()
     expected = reference.detach(), h.grad.clone(), w.grad.clone()
     h.grad, w.grad = None, None
-    fused = HeadCrossEntropy.apply(h, w, targets, cap, torch.float64)
+    one = torch.ones(1, dtype=torch.float64)
+    fused, means = HeadCrossEntropy.apply(h, w, targets[:, None], one, cap, torch.float64)
     (2.5 * fused).backward()
     for got, want in zip((fused.detach(), h.grad, w.grad), expected):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda a, b: HeadCrossEntropy.apply(a, b, targets, cap, torch.float64), (h, w))
+    assert means.tolist() == [fused.item()] and not means.requires_grad
+    assert torch.autograd.gradcheck(
+        lambda a, b: HeadCrossEntropy.apply(a, b, targets[:, None], one, cap, torch.float64)[0], (h, w))
+
+
+@pytest.mark.parametrize("cap", [0.0, 3.0])
+def test_head_cross_entropy_with_several_targets_is_the_weighted_sum_of_their_means(cap):
+    # Columns with different numbers of ignored targets (as the extra targets have at a row's end), one target
+    # that repeats the next token's: each column's mean over its own positions, weighted.
+    from train_gpt2 import HeadCrossEntropy
+    torch.manual_seed(1)
+    h = torch.randn(12, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(70, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 70, (12, 3))
+    targets[[2, 7], 0] = -1
+    targets[-3:, 1] = -1
+    targets[-5:, 2] = -1
+    targets[4, 2] = targets[4, 0]
+    weights = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64)
+    logits = h @ w.t()
+    logits = cap * torch.tanh(logits / cap) if cap else logits
+    columns = [F.cross_entropy(logits, targets[:, m], ignore_index=-1) for m in range(3)]
+    reference = sum(weight * column for weight, column in zip(weights, columns))
+    (1.5 * reference).backward()
+    expected = reference.detach(), h.grad.clone(), w.grad.clone()
+    h.grad, w.grad = None, None
+    fused, means = HeadCrossEntropy.apply(h, w, targets, weights, cap, torch.float64)
+    (1.5 * fused).backward()
+    for got, want in zip((fused.detach(), h.grad, w.grad), expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(means, torch.stack(columns).detach(), rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda a, b: HeadCrossEntropy.apply(a, b, targets, weights, cap, torch.float64)[0], (h, w))
 
 
 def test_head_cross_entropy_in_fp8_takes_the_logits_product_in_fp8_and_tracks_bf16(monkeypatch):
@@ -72,7 +105,7 @@ def test_head_cross_entropy_in_fp8_takes_the_logits_product_in_fp8_and_tracks_bf
     results = {}
     for fp8 in (False, True):
         h.grad = w.grad = None
-        loss = HeadCrossEntropy.apply(h, w, targets, 15.0, torch.bfloat16, fp8)
+        loss, _ = HeadCrossEntropy.apply(h, w, targets[:, None], torch.ones(1), 15.0, torch.bfloat16, fp8)
         (3 * loss).backward()
         results[fp8] = loss.detach(), h.grad.clone(), w.grad.clone()
     assert fp8_products == [(torch.float8_e4m3fn, (32, 128))]  # the forward product only, on the padded vocab
@@ -143,3 +176,51 @@ def test_mtp_zero_is_the_baseline():
     b.load_state_dict(a.state_dict())
     idx = torch.randint(0, 64, (2, 16))
     assert torch.equal(a(idx, idx)[1], b(idx, idx)[1]) and not list(b.mtp_proj)
+
+
+def test_extra_targets_score_the_next_tokens_logits_against_later_tokens_in_training_only():
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=64))
+    idx = torch.randint(0, 64, (2, 16))
+    targets = torch.randint(0, 64, (2, 16))
+    targets[0, 3] = -1
+    weights = torch.tensor([0.5, 0.25])
+    _, objective, aux = model(idx, targets, return_logits=False, extra_target_weights=weights)
+    logits = model.logits(_final_hidden(model, idx))
+    # Position t's k-th extra target is token t+1+k, i.e. targets[t + k]; the last k positions have none.
+    next_token, *extras = [F.cross_entropy(logits[:, :16 - k].reshape(-1, 64), targets[:, k:].reshape(-1),
+                                           ignore_index=-1) for k in range(3)]
+    torch.testing.assert_close(aux["next_token_loss"], next_token.detach())
+    torch.testing.assert_close(aux["extra_target_loss_2"], extras[1].detach())
+    torch.testing.assert_close(objective, next_token + 0.5 * extras[0] + 0.25 * extras[1])
+    model.eval()
+    torch.testing.assert_close(model(idx, targets, extra_target_weights=weights)[1], next_token)
+
+
+def test_fused_extra_targets_match_the_plain_head_and_fade_to_next_token_prediction():
+    torch.manual_seed(0)
+    config = with_overrides(TINY, vocab_size=64, logit_softcap=15.0)
+    plain, fused = GPT(config), GPT(with_overrides(config, fused_head_loss=True))
+    fused.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+    targets = idx.roll(-1, dims=1)
+
+    def grads(model, weights):
+        model.zero_grad()
+        _, objective, aux = model(idx, targets, return_logits=False, extra_target_weights=weights)
+        objective.backward()
+        return objective, aux, [p.grad.clone() for p in model.parameters()]
+    weights = torch.tensor([0.5, 0.25])
+    (plain_objective, plain_aux, plain_grads), (fused_objective, fused_aux, fused_grads) = (
+        grads(plain, weights), grads(fused, weights))
+    torch.testing.assert_close(fused_objective, plain_objective)
+    assert fused_aux.keys() == plain_aux.keys() == {"next_token_loss", "extra_target_loss_1", "extra_target_loss_2"}
+    for name in plain_aux:
+        torch.testing.assert_close(fused_aux[name], plain_aux[name], msg=name)
+    for got, want in zip(fused_grads, plain_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    # Faded to zero weights, the objective and its gradient are next-token prediction's, bit for bit.
+    faded_objective, faded_aux, faded_grads = grads(fused, torch.zeros(2))
+    next_objective, _, next_grads = grads(fused, None)
+    assert torch.equal(faded_objective, next_objective) and faded_objective != fused_objective
+    assert all(torch.equal(a, b) for a, b in zip(faded_grads, next_grads))

@@ -1,5 +1,6 @@
-"""Schedules over the steps of a run beyond the learning rate: the attention-window warmup and the batch-size
-ramp, each checked for what it schedules, what a run then computes, and its flags' errors."""
+"""Schedules over the steps of a run beyond the learning rate: the attention-window warmup, the batch-size
+ramp and the extra targets' fade, each checked for what it schedules, what a run then computes, and its flags'
+errors."""
 
 import json
 from argparse import Namespace
@@ -9,7 +10,8 @@ import torch
 
 from conftest import read_metrics, tiny_run_args
 from model_variants import TINY, VARIANTS, with_overrides
-from train_gpt2 import GPT, accumulation_at, build_parser, local_window_at, main, tokens_through, warm_up_steps
+from train_gpt2 import (GPT, accumulation_at, build_parser, extra_target_weights_at, local_window_at, main,
+                        tokens_through, warm_up_steps)
 
 
 def parse(*flags) -> Namespace:
@@ -126,4 +128,50 @@ def test_batch_ramp_flags_explain_themselves(tmp_path, shards, capsys):
         "sequence_length x processes); pick a multiple"]
     assert error("--batch_ramp_iters", "2") == [
         "error: --batch_ramp_iters needs --batch_ramp_start (the first stage's value); pass both or neither"]
+    assert not (tmp_path / "run").exists()
+
+
+# --- the extra targets' fade -----------------------------------------------------------------------------------
+
+def test_extra_targets_fade_the_farthest_first_each_over_an_equal_share():
+    args = parse("--extra_targets", "2", "--extra_targets_iters", "300")
+    weights = {step: extra_target_weights_at(step, args) for step in (0, 75, 150, 225, 300, 999)}
+    assert weights == {0: [0.5, 0.25], 75: [0.5, 0.125], 150: [0.5, 0.0], 225: [0.25, 0.0], 300: [0.0, 0.0],
+                       999: [0.0, 0.0]}
+    three = parse("--extra_targets", "3", "--extra_targets_iters", "30")
+    assert extra_target_weights_at(0, three) == [0.5, 0.25, 0.125]
+    assert extra_target_weights_at(15, three) == [0.5, 0.125, 0.0]  # the middle target halfway down its share
+
+
+def test_an_extra_targets_run_passes_each_steps_weights_and_logs_each_targets_loss(tmp_path, shards, capsys,
+                                                                                   monkeypatch):
+    seen = []
+    forward = GPT.forward
+
+    def recording_forward(self, idx, targets=None, **kwargs):
+        if self.training:
+            seen.append(kwargs["extra_target_weights"].tolist())
+        return forward(self, idx, targets, **kwargs)
+    monkeypatch.setattr(GPT, "forward", recording_forward)
+    flags = ["--extra_targets", "2", "--extra_targets_iters", "4"]
+    assert main(tiny_run_args(shards, tmp_path, "run", *flags)) == 0
+    capsys.readouterr()
+    # 6 steps of 2 micro-batches: the far target fades over steps 0-1, the near one over steps 2-3.
+    assert seen == [w for w in ([0.5, 0.25], [0.5, 0.125], [0.5, 0.0], [0.25, 0.0], [0.0, 0.0], [0.0, 0.0])
+                    for _ in range(2)]
+    steps = [r for r in read_metrics(tmp_path / "run") if "train_loss" in r]
+    assert len(steps) == 6
+    assert all(0 < r[f"extra_target_loss_{k}"] < 10 for r in steps for k in (1, 2))  # near ln(vocab) at the start
+
+
+def test_extra_targets_flags_explain_themselves(tmp_path, shards, capsys):
+    def error(*extra):
+        assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 2
+        return capsys.readouterr().err.strip().splitlines()
+    together = ("error: --extra_targets and --extra_targets_iters go together: the extra targets' weights fade to 0 "
+                "over --extra_targets_iters steps; pass both (> 0) or neither")
+    assert error("--extra_targets", "2") == [together]
+    assert error("--extra_targets_iters", "5") == [together]
+    assert error("--extra_targets", "-1", "--extra_targets_iters", "5") == [
+        "error: --extra_targets -1: pass how many tokens after the next to score too (e.g. 2), or 0 for none"]
     assert not (tmp_path / "run").exists()
