@@ -154,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="NorMuon (Li et al. 2025): divide each row of Muon's orthogonalized update (each column "
                         "of a wide matrix) by the root of a running mean, with this decay, of its mean square, "
                         "keeping the update's norm; e.g. 0.95. 0: off")
+    g.add_argument("--cautious_weight_decay", type=float, default=0.0,
+                   help="cautious weight decay (Chen et al. 2025) on Muon's matrices, in place of --weight_decay "
+                        "for them: each step also takes lr x this x the step's size off each weight whose update "
+                        "would shrink it anyway (update and weight of one sign), and leaves the others alone "
+                        "(modded-nanogpt's form, 1.2 there; it fades as the lr squared). 0: off")
     g.add_argument("--lr_floor", type=float, default=0.0,
                    help="the warmdown ends at this fraction of the peak learning rate (NoCap: 0)")
     g.add_argument("--lr_schedule", choices=("trapezoid", "one_cycle"), default="trapezoid",
@@ -173,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "steps, the farthest target's first (evaluation scores the next token only). 0: off")
     g.add_argument("--extra_targets_iters", type=int, default=0,
                    help="steps until the extra targets' weights reach 0, e.g. two thirds of --num_iterations")
-    g.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay (all parameters)")
+    g.add_argument("--weight_decay", type=float, default=0.1,
+                   help="decoupled weight decay of every parameter (--optimizer muon: but the gains and mixing "
+                        "scalars, and of Muon's matrices only without --cautious_weight_decay)")
     g.add_argument("--ema_decay", type=float, default=0.0,
                    help="weight averaging: from step --ema_start on, keep an exponential moving average of the "
                         "weights (this decay per step) and evaluate, stop on and save it. 0: off")
@@ -304,6 +311,12 @@ def check_run_flags(args):
         raise InputError(f"--muon_momentum {args.muon_momentum} must be in [0, 1)")
     if not 0 <= args.normuon_beta2 < 1:
         raise InputError(f"--normuon_beta2 {args.normuon_beta2} must be in [0, 1) (e.g. 0.95; 0: off)")
+    if not 0 <= args.cautious_weight_decay < math.inf:
+        raise InputError(f"--cautious_weight_decay {args.cautious_weight_decay} must be a finite number >= 0 "
+                         "(e.g. 1.2; 0: off)")
+    if args.cautious_weight_decay and args.optimizer != "muon":
+        raise InputError(f"--cautious_weight_decay decays Muon's matrices; --optimizer {args.optimizer} has none: "
+                         "pass --optimizer muon, or --weight_decay for AdamW's decay")
     if args.extra_targets < 0:
         raise InputError(f"--extra_targets {args.extra_targets}: pass how many tokens after the next to score too "
                          "(e.g. 2), or 0 for none")
@@ -1551,9 +1564,10 @@ class BatchedMuon(torch.optim.Muon):
     matrices that is ~1,000 kernel launches and 27.6 ms per optimizer step on an H100, with the GPU mostly
     waiting on the host. Stacked by shape, Newton-Schulz is 15 batched matmuls per shape.
 
-    Two refinements of the update, both off by default: `polar_express` orthogonalizes with Polar Express's
-    per-iteration quintics, and `normuon_beta2` > 0 evens out the update's rows (NorMuon, `normuon_scale`),
-    keeping one running mean square per row in the state as "second_moment".
+    Three refinements of the update, all off by default: `polar_express` orthogonalizes with Polar Express's
+    per-iteration quintics, `normuon_beta2` > 0 evens out the update's rows (NorMuon, `normuon_scale`),
+    keeping one running mean square per row in the state as "second_moment", and `cautious` makes the weight
+    decay cautious (`muon_update`).
 
     With `compile_options` (torch.compile's keyword arguments), each shape's update is one compiled graph
     (`muon_update`): eager, the momentum, the Nesterov mix, the stack, the casts and the step each pass over the
@@ -1563,9 +1577,9 @@ class BatchedMuon(torch.optim.Muon):
     torch.optim.Muon's."""
 
     def __init__(self, params, *args, compile_options: dict | None = None, polar_express: bool = False,
-                 normuon_beta2: float = 0.0, **kwargs):
+                 normuon_beta2: float = 0.0, cautious: bool = False, **kwargs):
         super().__init__(params, *args, **kwargs)
-        self.polar_express, self.normuon_beta2 = polar_express, normuon_beta2
+        self.polar_express, self.normuon_beta2, self.cautious = polar_express, normuon_beta2, cautious
         self.compiled_update = None if compile_options is None else torch.compile(
             muon_update, fullgraph=True, dynamic=False, **compile_options)
 
@@ -1595,23 +1609,32 @@ class BatchedMuon(torch.optim.Muon):
                             (rows, 1) if rows >= cols else (1, cols), dtype=torch.float32)
                 second_moments = [self.state[p]["second_moment"] for p in params] if self.normuon_beta2 else None
                 # Device tensors, not Python numbers: a compiled graph would be rebuilt for every new lr.
-                hyper = host_to_device(torch.tensor(
-                    [group["momentum"], 1 - lr * decay, lr * math.sqrt(max(1, rows / cols))]), params[0].device)
+                step_size = lr * math.sqrt(max(1, rows / cols))
+                keep, cautious_decay = (1.0, lr * decay * step_size) if self.cautious else (1 - lr * decay, 0.0)
+                hyper = host_to_device(torch.tensor([group["momentum"], keep, step_size, cautious_decay]),
+                                       params[0].device)
                 whole = len(params) == len(shaped)
                 update = self.compiled_update if whole and self.compiled_update is not None else muon_update
                 update(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params], hyper,
-                       group["nesterov"], coefficients, margin, group["eps"], second_moments, self.normuon_beta2)
+                       group["nesterov"], coefficients, margin, group["eps"], second_moments, self.normuon_beta2,
+                       self.cautious)
         return loss
 
 
 def muon_update(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor],
                 hyper: torch.Tensor, nesterov: bool, coefficients: tuple[tuple[float, float, float], ...],
-                margin: float, eps: float, second_moments: list[torch.Tensor] | None, beta2: float):
+                margin: float, eps: float, second_moments: list[torch.Tensor] | None, beta2: float,
+                cautious: bool = False):
     """One Muon step of same-shaped matrices, in place: each momentum buffer moves toward its gradient, the
     update (Nesterov's mix of gradient and buffer, or the buffer) is orthogonalized, with NorMuon's row scaling
     when second_moments are given, and each matrix becomes keep * p - step_size * update. hyper holds
-    (momentum, keep = 1 - lr * weight decay, step_size)."""
-    momentum, keep, step_size = hyper.unbind()
+    (momentum, keep = 1 - lr * weight decay, step_size, cautious_decay).
+
+    Cautious (Chen et al. 2025, "Cautious Weight Decay"): keep is 1 and a weight also loses cautious_decay
+    (lr * weight decay * step_size) of itself only where the update and the weight have one sign, where the
+    step shrinks it anyway; decay elsewhere would pull against the step. The paper's argument: such decay
+    does not change the loss's stationary points, where plain decay trades loss for smaller weights."""
+    momentum, keep, step_size, cautious_decay = hyper.unbind()
     updates = []
     for g, m in zip(grads, buffers):
         m.lerp_(g, 1 - momentum)
@@ -1620,7 +1643,11 @@ def muon_update(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: 
     if second_moments is not None:
         ortho = normuon_scale(ortho, second_moments, beta2)
     for p, o in zip(params, ortho.unbind(0)):
-        p.mul_(keep).sub_(step_size * o.to(p.dtype))
+        o = o.to(p.dtype)
+        if cautious:
+            p.sub_(step_size * o + cautious_decay * (o * p >= 0) * p)
+        else:
+            p.mul_(keep).sub_(step_size * o)
 
 
 def normuon_scale(ortho: torch.Tensor, second_moments: list[torch.Tensor], beta2: float) -> torch.Tensor:
@@ -1741,9 +1768,10 @@ def make_optimizer(model: GPT, args, device: torch.device, compile_options: dict
               dict(params=scalars, lr=args.learning_rate if args.scalar_lr is None else args.scalar_lr,
                    weight_decay=0.0)]
     return Optimizers([
-        BatchedMuon(hidden, lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.weight_decay,
-                    compile_options=compile_options, polar_express=args.muon_orthogonalize == "polar_express",
-                    normuon_beta2=args.normuon_beta2),
+        BatchedMuon(hidden, lr=args.muon_lr, momentum=args.muon_momentum,
+                    weight_decay=args.cautious_weight_decay or args.weight_decay,
+                    cautious=args.cautious_weight_decay > 0, compile_options=compile_options,
+                    polar_express=args.muon_orthogonalize == "polar_express", normuon_beta2=args.normuon_beta2),
         torch.optim.AdamW([g for g in groups if g["params"]], **adamw),
     ])
 

@@ -186,6 +186,13 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
                                          "--normuon_beta2", "0.9"])
     muon = make_optimizer(model, refined, torch.device("cpu")).optimizers[0]
     assert (muon.polar_express, muon.normuon_beta2) == (True, 0.9)
+    # Cautious decay takes Muon's matrices from --weight_decay, which AdamW keeps.
+    cautious = build_parser().parse_args(["--optimizer", "muon", "--cautious_weight_decay", "1.2",
+                                          "--weight_decay", "0.1"])
+    muon, adamw = make_optimizer(model, cautious, torch.device("cpu")).optimizers
+    assert (muon.cautious, muon.param_groups[0]["weight_decay"], adamw.param_groups[0]["weight_decay"]) == (
+        True, 1.2, 0.1)
+    assert not make_optimizer(model, args, torch.device("cpu")).optimizers[0].cautious
 
 
 def test_muon_recipe_gives_embeddings_and_scalars_their_own_adamw_groups():
@@ -257,7 +264,7 @@ def test_batched_muon_matches_torch_muon(nesterov):
     assert opt.state_dict()["state"].keys() == ref_opt.state_dict()["state"].keys()
 
 
-@pytest.mark.parametrize("refinements", [{}, dict(polar_express=True, normuon_beta2=0.95)])
+@pytest.mark.parametrize("refinements", [{}, dict(polar_express=True, normuon_beta2=0.95), dict(cautious=True)])
 def test_compiled_batched_muon_equals_eager_with_one_graph_per_shape(refinements):
     """Compiled (aot_eager: the same graph inductor would get), the update matches eager step after step while
     lr and momentum change, builds one graph per shape and no more; a shape with a matrix left without a
@@ -284,7 +291,7 @@ def test_compiled_batched_muon_equals_eager_with_one_graph_per_shape(refinements
             torch.testing.assert_close(q.detach(), p.detach())
             torch.testing.assert_close(compiled_opt.state[q], eager_opt.state[p])
     assert counter.frame_count == 3
-    assert all(("second_moment" in eager_opt.state[p]) == bool(refinements) for p in eager)
+    assert all(("second_moment" in eager_opt.state[p]) == ("normuon_beta2" in refinements) for p in eager)
 
 
 def test_polar_express_lands_closer_to_the_polar_factor():
@@ -301,6 +308,34 @@ def test_polar_express_lands_closer_to_the_polar_factor():
         pe = newton_schulz(grads, POLAR_EXPRESS, POLAR_EXPRESS_MARGIN, 1e-7).double()
         assert (pe - polar).norm() < 0.6 * (ns - polar).norm()
         assert torch.linalg.svdvals(pe).min() > 0.8 > 0.7 > torch.linalg.svdvals(ns).min()
+
+
+def test_cautious_weight_decay_shrinks_only_weights_the_update_shrinks():
+    """Beside a twin without decay (the same update), each weight whose update has its sign loses exactly
+    lr * decay * step_size of itself, where step_size is lr * sqrt(max(1, rows / cols)); every other weight moves
+    as the twin's. Plain decay, for contrast, shrinks them all."""
+    from train_gpt2 import BatchedMuon
+    torch.manual_seed(0)
+    shapes = [(96, 32), (32, 96), (48, 48)]
+    start = [torch.randn(shape) for shape in shapes]
+    twins = {kind: [torch.nn.Parameter(w.clone()) for w in start] for kind in ("none", "cautious", "plain")}
+    lr, decay = 0.05, 1.2
+    settings = dict(lr=lr, momentum=0.0, nesterov=False)
+    opts = [BatchedMuon(twins["none"], weight_decay=0.0, **settings),
+            BatchedMuon(twins["cautious"], weight_decay=decay, cautious=True, **settings),
+            BatchedMuon(twins["plain"], weight_decay=decay, **settings)]
+    grads = [torch.randn(shape) for shape in shapes]
+    for params, opt in zip(twins.values(), opts):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    for w, none, cautious, plain in zip(start, twins["none"], twins["cautious"], twins["plain"]):
+        update = w - none.detach()  # step_size * the orthogonalized update
+        shrinks = update * w >= 0
+        assert 0.3 < shrinks.float().mean() < 0.7
+        rate = lr * decay * lr * max(1, w.size(0) / w.size(1)) ** 0.5
+        torch.testing.assert_close(cautious.detach(), torch.where(shrinks, none.detach() - rate * w, none.detach()))
+        torch.testing.assert_close(plain.detach(), none.detach() - lr * decay * w)
 
 
 def test_normuon_evens_out_rows_and_keeps_the_updates_norm():
@@ -360,7 +395,8 @@ def test_total_batch_size_derives_accumulation(tmp_path, shards, capsys):
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon", "lion", "adamw8bit",
-                                       "muon --muon_orthogonalize polar_express --normuon_beta2 0.95"])
+                                       "muon --muon_orthogonalize polar_express --normuon_beta2 0.95 "
+                                       "--cautious_weight_decay 1.2"])
 def test_resume_from_a_periodic_checkpoint_gives_the_uninterrupted_losses(tmp_path, shards, capsys, monkeypatch,
                                                                            optimizer):
     import train_gpt2
@@ -682,6 +718,9 @@ def test_unknown_model_suggests_close_names(tmp_path, shards, capsys):
     (["--optimizer", "muon", "--muon_lr", "-0.02"], "--muon_lr -0.02 must be a finite number >= 0"),
     (["--muon_momentum", "1.5"], "--muon_momentum 1.5 must be in [0, 1)"),
     (["--normuon_beta2", "1"], "--normuon_beta2 1.0 must be in [0, 1) (e.g. 0.95; 0: off)"),
+    (["--optimizer", "muon", "--cautious_weight_decay", "-1"],
+     "--cautious_weight_decay -1.0 must be a finite number >= 0"),
+    (["--cautious_weight_decay", "1.2"], "--optimizer adamw has none: pass --optimizer muon"),
     (["--sequence_length", "2048"], "pass --block_size 2048"),
     (["--resume", "/nonexistent.pt"], "no such checkpoint"),
     (["--memory_cap_gib", "22"], "--memory_cap_gib limits GPU memory; drop it on CPU"),
