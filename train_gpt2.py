@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cautious weight decay (Chen et al. 2025) on Muon's matrices, in place of --weight_decay "
                         "for them: each step also takes lr x this x the step's size off each weight whose update "
                         "would shrink it anyway (update and weight of one sign), and leaves the others alone "
-                        "(modded-nanogpt's form, 1.2 there; it fades as the lr squared). 0: off")
+                        "(modded-nanogpt's form, 1.2 there; it fades as the lr squared; --optimizer muon). 0: off")
     g.add_argument("--lr_floor", type=float, default=0.0,
                    help="the warmdown ends at this fraction of the peak learning rate (NoCap: 0)")
     g.add_argument("--lr_schedule", choices=("trapezoid", "one_cycle"), default="trapezoid",
@@ -314,9 +314,6 @@ def check_run_flags(args):
     if not 0 <= args.cautious_weight_decay < math.inf:
         raise InputError(f"--cautious_weight_decay {args.cautious_weight_decay} must be a finite number >= 0 "
                          "(e.g. 1.2; 0: off)")
-    if args.cautious_weight_decay and args.optimizer != "muon":
-        raise InputError(f"--cautious_weight_decay decays Muon's matrices; --optimizer {args.optimizer} has none: "
-                         "pass --optimizer muon, or --weight_decay for AdamW's decay")
     if args.extra_targets < 0:
         raise InputError(f"--extra_targets {args.extra_targets}: pass how many tokens after the next to score too "
                          "(e.g. 2), or 0 for none")

@@ -720,7 +720,6 @@ def test_unknown_model_suggests_close_names(tmp_path, shards, capsys):
     (["--normuon_beta2", "1"], "--normuon_beta2 1.0 must be in [0, 1) (e.g. 0.95; 0: off)"),
     (["--optimizer", "muon", "--cautious_weight_decay", "-1"],
      "--cautious_weight_decay -1.0 must be a finite number >= 0"),
-    (["--cautious_weight_decay", "1.2"], "--optimizer adamw has none: pass --optimizer muon"),
     (["--sequence_length", "2048"], "pass --block_size 2048"),
     (["--resume", "/nonexistent.pt"], "no such checkpoint"),
     (["--memory_cap_gib", "22"], "--memory_cap_gib limits GPU memory; drop it on CPU"),
@@ -872,7 +871,8 @@ def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
     assert (fast.sequence_length, val_row_length(fast), fast.val_batch_size) == (4096, 4096, 4)
     shorter = parse_args(["--model", "d12_fast", "--sequence_length", "1024", "--batch_size", "32"])
     assert val_row_length(shorter) == 1024  # validated on the rows it trains on
-    assert (fast.warmdown_iters, fast.num_iterations, fast.normuon_beta2) == (16000, 16000, 0.95)
+    assert (fast.warmdown_iters, fast.num_iterations, fast.normuon_beta2, fast.cautious_weight_decay) == (
+        16000, 16000, 0.95, 1.2)
     assert (d12.normuon_beta2, d12.muon_orthogonalize) == (0.0, "newton_schulz")
     assert parse_args(["--model", "d12_fast", "--batch_size", "16"]).batch_size == 16
     assert d12.coordinate_descent_tuning and not fast.coordinate_descent_tuning  # on/off flags too
