@@ -34,8 +34,8 @@ def triton_runs_on(device: torch.device) -> bool:
 #
 # Contract, for logits (N, W) of which the first `vocab` columns are the vocabulary (the rest is padding
 # that gets no probability), targets (N, M): M targets per row scored against the same logits, -1 = ignored
-# (or (N,): one target), weights (M,) (None: ones), and cap > 0 (or 0 = no softcap):
-#   z = cap * tanh(logits / cap)                        (the softcapped logits; z = logits without a cap)
+# (or (N,): one target), weights (M,) (None: ones), cap > 0 (or 0 = no softcap) and bias (W,) (None: zeros):
+#   z = cap * tanh(logits / cap) + bias                 (the softcapped logits; z = logits without a cap)
 #   losses[i, m] = logsumexp(z[i, :vocab]) - z[i, targets[i, m]]      (0 where the target is ignored)
 #   grad[i] = sum over m of weights[m] * (softmax(z[i, :vocab]) - one_hot(targets[i, m])) * dz/dlogits
 #             (no term for an ignored target; 0 in the padded columns), in the logits' dtype
@@ -44,12 +44,15 @@ def triton_runs_on(device: torch.device) -> bool:
 
 
 def softcap_cross_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap: float,
-                                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                weights: torch.Tensor | None = None,
+                                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract above in torch ops, computed in at least fp32. Returns (losses in at least fp32, grad)."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if cap:
         squashed = torch.tanh(z / cap)
         z = cap * squashed
+    if bias is not None:
+        z = z + bias.to(z.dtype)
     if z.size(1) > vocab:
         padding = torch.arange(z.size(1), device=z.device) >= vocab
         z = z.masked_fill(padding, float("-inf"))  # exp() = 0: no probability, no gradient
@@ -68,10 +71,11 @@ def softcap_cross_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, voc
 
 
 def softcap_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap: float,
-                          weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          weights: torch.Tensor | None = None,
+                          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract above: the Triton kernel where it runs (see triton_runs_on), else the torch version."""
     if not triton_runs_on(logits.device):
-        return softcap_cross_entropy_torch(logits, targets, vocab, cap, weights)
+        return softcap_cross_entropy_torch(logits, targets, vocab, cap, weights, bias)
     N, width = logits.shape
     columns = targets.view(N, -1).contiguous()  # the kernel steps along rows and targets by 1
     n_targets = columns.size(1)
@@ -81,10 +85,12 @@ def softcap_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: in
     grad = torch.empty_like(logits)
     # One program per row, the row in blocks of 2048 columns, 4 warps: within 0.05 ms of the fastest of
     # 1,024-4,096 columns x 2-8 warps on an H100.
-    _softcap_cross_entropy_rows[(N,)](logits, grad, columns, weights, losses, logits.stride(0), grad.stride(0), vocab,
-                                      width, CAP=float(cap), FAST_TANH=logits.device.type == "cuda",
-                                      N_TARGETS=n_targets, BLOCK=min(2048, triton.next_power_of_2(width)),
-                                      num_warps=4)
+    # Without a bias the kernel is built without its loads; the pointer it is given is never read.
+    bias = logits if bias is None else bias.float().contiguous()
+    _softcap_cross_entropy_rows[(N,)](logits, grad, columns, weights, bias, losses, logits.stride(0), grad.stride(0),
+                                      vocab, width, CAP=float(cap), FAST_TANH=logits.device.type == "cuda",
+                                      HAS_BIAS=bias is not logits, N_TARGETS=n_targets,
+                                      BLOCK=min(2048, triton.next_power_of_2(width)), num_warps=4)
     return losses.view(targets.shape), grad
 
 
@@ -107,9 +113,17 @@ if triton is not None:
         return x, x
 
     @triton.jit
-    def _softcap_cross_entropy_rows(logits_ptr, grad_ptr, targets_ptr, weights_ptr, losses_ptr, logits_stride,
-                                    grad_stride, vocab, width, CAP: tl.constexpr, FAST_TANH: tl.constexpr,
-                                    N_TARGETS: tl.constexpr, BLOCK: tl.constexpr):
+    def _biased(z, bias_ptr, cols, mask, HAS_BIAS: tl.constexpr):
+        """z plus the bias of columns `cols` (where mask holds), or z as it is without a bias."""
+        if HAS_BIAS:
+            return z + tl.load(bias_ptr + cols, mask=mask, other=0.0)
+        return z
+
+    @triton.jit
+    def _softcap_cross_entropy_rows(logits_ptr, grad_ptr, targets_ptr, weights_ptr, bias_ptr, losses_ptr,
+                                    logits_stride, grad_stride, vocab, width, CAP: tl.constexpr,
+                                    FAST_TANH: tl.constexpr, HAS_BIAS: tl.constexpr, N_TARGETS: tl.constexpr,
+                                    BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         logits_row = logits_ptr + row * logits_stride
         grad_row = grad_ptr + row * grad_stride
@@ -121,7 +135,7 @@ if triton is not None:
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(logits_row + cols, mask=cols < vocab, other=0.0).to(tl.float32)
             z, _ = _softcap(x, CAP, FAST_TANH)
-            z = tl.where(cols < vocab, z, float("-inf"))
+            z = tl.where(cols < vocab, _biased(z, bias_ptr, cols, cols < vocab, HAS_BIAS), float("-inf"))
             new_max = tl.maximum(running_max, tl.max(z, axis=0))
             running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
             running_max = new_max
@@ -131,7 +145,9 @@ if triton is not None:
         for m in tl.static_range(N_TARGETS):
             target = tl.load(targets_row + m)
             valid = target >= 0
-            target_z, _ = _softcap(tl.load(logits_row + tl.where(valid, target, 0)).to(tl.float32), CAP, FAST_TANH)
+            column = tl.where(valid, target, 0)
+            target_z, _ = _softcap(tl.load(logits_row + column).to(tl.float32), CAP, FAST_TANH)
+            target_z = _biased(target_z, bias_ptr, column, True, HAS_BIAS)
             tl.store(losses_ptr + row * N_TARGETS + m, tl.where(valid, lse - target_z, 0.0))
             row_weight += tl.where(valid, tl.load(weights_ptr + m), 0.0)
         # Pass 2: the gradient. This program read the row a moment ago, so it comes from L2.
@@ -140,6 +156,7 @@ if triton is not None:
             in_vocab = cols < vocab
             x = tl.load(logits_row + cols, mask=in_vocab, other=0.0).to(tl.float32)
             z, squashed = _softcap(x, CAP, FAST_TANH)
+            z = _biased(z, bias_ptr, cols, in_vocab, HAS_BIAS)
             g = tl.exp(z - lse) * row_weight
             for m in tl.static_range(N_TARGETS):  # an ignored target (-1) matches no column
                 g -= tl.where(cols == tl.load(targets_row + m), tl.load(weights_ptr + m), 0.0)

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -178,6 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "steps, the farthest target's first (evaluation scores the next token only). 0: off")
     g.add_argument("--extra_targets_iters", type=int, default=0,
                    help="steps until the extra targets' weights reach 0, e.g. two thirds of --num_iterations")
+    g.add_argument("--sampled_softmax", type=int, default=0,
+                   help="a training-only sampled softmax of K columns: for the first --sampled_softmax_iters "
+                        "steps the head scores each micro-batch against every token that is one of its targets "
+                        "plus uniformly drawn others up to K (each drawn column standing in, by a log-weight on "
+                        "its logit, for its share of those left out), so the head's products shrink to K / "
+                        "vocab of theirs. The logged training loss is then that softmax's estimate; evaluation "
+                        "always scores the full softmax. 0: off")
+    g.add_argument("--sampled_softmax_iters", type=int, default=0,
+                   help="steps the sampled softmax lasts, e.g. three quarters of --num_iterations (the full "
+                        "softmax trains after them)")
     g.add_argument("--weight_decay", type=float, default=0.1,
                    help="decoupled weight decay of every parameter (--optimizer muon: but the gains and mixing "
                         "scalars, and of Muon's matrices only without --cautious_weight_decay)")
@@ -360,6 +371,16 @@ def check_batch_ramp(args, accumulation: int, micro_tokens: int):
     if args.batch_ramp_start % micro_tokens:
         raise InputError(f"--batch_ramp_start {args.batch_ramp_start} is not a whole number of micro-batches of "
                          f"{micro_tokens} tokens (batch_size x sequence_length x processes); pick a multiple")
+
+
+def check_sampled_softmax(args, config: GPTConfig):
+    if (args.sampled_softmax > 0) != (args.sampled_softmax_iters > 0):
+        raise InputError("--sampled_softmax and --sampled_softmax_iters go together: the sampled softmax of "
+                         "--sampled_softmax columns trains for --sampled_softmax_iters steps; pass both (> 0) "
+                         "or neither")
+    if not 0 <= args.sampled_softmax < config.vocab_size:
+        raise InputError(f"--sampled_softmax {args.sampled_softmax}: pass fewer columns than the vocabulary's "
+                         f"{config.vocab_size}, or 0 for the full softmax")
 
 
 def check_window_warmup(args, config: GPTConfig):
@@ -832,6 +853,37 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 
+class SoftmaxSample(NamedTuple):
+    """A training softmax over `columns` columns of the vocabulary instead of all of them (a sampled softmax):
+    every token that is a target of the micro-batch, and as many others as are left, drawn uniformly. `draws`
+    (vocab,), uniform on [0, 1), decide which others."""
+    columns: int
+    draws: torch.Tensor
+
+
+def sampled_softmax_columns(targets: torch.Tensor, sample: SoftmaxSample, vocab: int
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The columns a sampled softmax scores (K,), the bias each one's logit gets (K,), and the targets (any
+    shape, -1 ignored) as positions among the columns.
+    The normalizer sums every target's column exactly, and stands in for the V - U tokens that are no target
+    by the K - U drawn ones, each weighted (V - U) / (K - U), i.e. a bias of the log of that: its expectation
+    is the full softmax's normalizer, so the loss estimates the full one (from slightly below: the log of an
+    average is at most the average of the logs). A micro-batch with more than K distinct targets keeps K of
+    them, drawn uniformly, and ignores the positions whose target it left out. The columns are the top K of
+    2 x (is a target) + draw, so every shape is fixed and the step compiles to one graph."""
+    K = sample.columns
+    flat = targets.reshape(-1)
+    slot = torch.where(flat >= 0, flat, vocab)  # the ignored targets mark a spare slot
+    is_target = torch.zeros(vocab + 1, device=flat.device).scatter_(0, slot, 1.0)[:vocab]
+    columns = (2 * is_target + sample.draws[:vocab]).topk(K, sorted=False).indices
+    n_targets = is_target.sum()
+    drawn_weight = (vocab - n_targets) / (K - n_targets).clamp(min=1)
+    bias = torch.where(is_target[columns] > 0, 0.0, drawn_weight.log())
+    position = torch.full((vocab + 1,), -1, device=flat.device).scatter_(
+        0, columns, torch.arange(K, device=flat.device))
+    return columns, bias, position[slot].view_as(targets)
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -870,21 +922,25 @@ class GPT(nn.Module):
                 for w in ((block.mlp.w_out,) if isinstance(block.mlp, MoE) else (block.mlp.c_proj.weight,)):
                     nn.init.zeros_(w)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The head (and softcap) over hidden states h (..., n_embd)."""
-        logits = self.lm_head(h)
+    def logits(self, h: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The head (and softcap) over hidden states h (..., n_embd); with weight, over those rows of the
+        head's weight only (a sampled softmax's columns)."""
+        logits = self.lm_head(h) if weight is None else F.linear(h, weight)
         if self.config.logit_softcap:
             cap = self.config.logit_softcap
             logits = cap * torch.tanh(logits.float() / cap)
         return logits
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor, extra_weights: torch.Tensor | None = None,
-                  logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  logits: torch.Tensor | None = None, sample: SoftmaxSample | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean cross-entropy of the head over hidden states h (B, T, n_embd) against targets (B, T), -1
         ignored. With extra_weights (K,), the same logits are also scored against the K tokens after each
         target (parameter-free multi-token prediction: position t against tokens t+2 .. t+1+K, where the row
         has them). Returns (objective, means): means (1 + K,) holds each target's mean loss, detached, and the
         objective is the next-token mean plus extra_weights[k-1] times the k-th extra mean.
+        With a sample, the softmax is over its columns only (sampled_softmax_columns; the logits at hand are
+        the full softmax's, so they go unused), and the means are that softmax's estimates.
         A pass that builds a gradient takes HeadCrossEntropy under fused_head_loss (the same math, fewer passes
         over the logits; in training, its logits product in FP8 where fp8_head asks for it), unless the
         logits are at hand."""
@@ -895,26 +951,35 @@ class GPT(nn.Module):
         weights = torch.ones(1, device=h.device)
         if n_extra:
             weights = torch.cat([weights, extra_weights.to(weights.dtype)])
+        weight, bias = None, None
+        if sample is not None:
+            columns, bias, stacked = sampled_softmax_columns(stacked, sample, c.vocab_size)
+            weight, logits = self.lm_head.weight[columns], None
         if logits is None and c.fused_head_loss and torch.is_grad_enabled():
             check_head_loss_kernel(h.device)
             fp8 = c.fp8_head and self.training and fp8_runs(h, "fp8_head")
-            return HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), self.lm_head.weight,
+            return HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)),
+                                          self.lm_head.weight if weight is None else weight,
                                           stacked.reshape(-1, n_extra + 1), weights, c.logit_softcap,
-                                          compute_dtype(h), fp8)
-        logits = self.logits(h) if logits is None else logits
+                                          compute_dtype(h), fp8, bias)
+        if logits is None:
+            logits = self.logits(h, weight)
+            if bias is not None:
+                logits = logits + bias
         means = torch.stack([cross_entropy(logits, stacked[..., k]) for k in range(n_extra + 1)])
         return (weights * means).sum(), means.detach()
 
     def forward(self, idx, targets=None, return_logits=True, cache: KVCache | None = None,
                 drop_blocks: tuple[int, ...] = (), local_window: int = 0,
-                extra_target_weights: torch.Tensor | None = None):
+                extra_target_weights: torch.Tensor | None = None, sampled_softmax: SoftmaxSample | None = None):
         """idx, targets: (B, T) token ids. Returns (logits or None, loss or None, aux). The loss is the
         next-token cross-entropy in eval mode and the training objective (plus weighted extra-target, MTP
         and MoE terms; extra_target_weights: see head_loss) in training mode; `aux` holds the terms
         (detached) for logging, empty in eval mode.
         With a KV cache, idx continues the cached sequence (decoding). In training mode the blocks in
         drop_blocks pass the stream through unchanged (LayerDrop); in eval mode every block runs. A
-        local_window other than 0 replaces the local layers' window (the window warmup; training only).
+        local_window other than 0 replaces the local layers' window (the window warmup; training only), and
+        a sampled_softmax replaces the next-token head's full softmax (training only; see head_loss).
         With doc_mask, attention stays within the documents of each row (document_ids)."""
         c = self.config
         B, T = idx.shape
@@ -972,7 +1037,10 @@ class GPT(nn.Module):
         if targets is None:
             return self.logits(h[:, [-1], :]), None, aux  # inference: only the last position
         logits = self.logits(h) if return_logits else None  # (B, T, vocab)
-        loss, target_means = self.head_loss(h, targets, extra_target_weights if self.training else None, logits)
+        if self.training:
+            loss, target_means = self.head_loss(h, targets, extra_target_weights, logits, sampled_softmax)
+        else:
+            loss, target_means = self.head_loss(h, targets, logits=logits)
         if self.training:
             objective = loss
             aux["next_token_loss"] = target_means[0]
@@ -1114,7 +1182,8 @@ class HeadCrossEntropy(torch.autograd.Function):
     logits and passes over them three more times in the backward (log-softmax's, tanh's and the cast's
     backward); here the backward is the two head products only. Products in `dtype` (bf16 under
     autocast), the softmax in at least fp32. Shapes: h (N, d), w (V, d), targets (N, M): M targets per
-    position scored against the same logits (GPT.head_loss's extra targets), weights (M,).
+    position scored against the same logits (GPT.head_loss's extra targets), weights (M,), and bias (V,) or
+    None: a constant added to each column's softcapped logit (GPT.head_loss's sampled softmax).
 
     Returns (objective, means): means (M,) is each target's mean loss over the positions that have it (not
     differentiable), objective the weighted sum of those means.
@@ -1129,7 +1198,8 @@ class HeadCrossEntropy(torch.autograd.Function):
     states' gradient an e5m2 copy of it, which costs the loss kernel more than the product saves."""
 
     @staticmethod
-    def forward(ctx, h, w, targets, weights, cap: float, dtype: torch.dtype, fp8: bool = False):
+    def forward(ctx, h, w, targets, weights, cap: float, dtype: torch.dtype, fp8: bool = False,
+                bias: torch.Tensor | None = None):
         V = w.size(0)
         h_c, w_c = h.to(dtype), F.pad(w.to(dtype), (0, 0, 0, -V % 64))
         if fp8:
@@ -1138,10 +1208,13 @@ class HeadCrossEntropy(torch.autograd.Function):
         else:
             logits = h_c @ w_c.t()
         counts = (targets != -1).sum(dim=0)  # (M,)
+        weights = weights.to(torch.promote_types(logits.dtype, torch.float32))
         # The kernel's gradient sums the targets' terms with these weights, so that, divided by the first
         # target's count in the backward, each term is its own target's mean.
-        weights = weights.to(torch.promote_types(logits.dtype, torch.float32))
-        losses, grad = kernels.softcap_cross_entropy(logits, targets, V, cap, weights * counts[0] / counts.clamp(min=1))
+        target_weights = weights * counts[0] / counts.clamp(min=1)
+        if bias is not None:
+            bias = F.pad(bias, (0, logits.size(1) - V))  # the padded columns' are masked out anyway
+        losses, grad = kernels.softcap_cross_entropy(logits, targets, V, cap, target_weights, bias)
         means = losses.sum(dim=0) / counts
         ctx.mark_non_differentiable(means)
         ctx.save_for_backward(h_c, w_c, grad, counts[0])
@@ -1156,7 +1229,7 @@ class HeadCrossEntropy(torch.autograd.Function):
         scale = grad_objective / count
         grad_h = (grad @ w_c) * scale
         grad_w = (grad.t() @ h_c)[:ctx.vocab] * scale
-        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None
+        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None, None
 
 
 def check_head_loss_kernel(device: torch.device):
@@ -1885,6 +1958,23 @@ def local_window_at(step: int, args, config: GPTConfig) -> int:
     return doubling_at(step, args.window_start, config.window, args.window_iters)
 
 
+def softmax_columns_at(step: int, args) -> int:
+    """The training softmax's columns at `step`: --sampled_softmax's until --sampled_softmax_iters, then 0
+    (the full vocabulary)."""
+    return args.sampled_softmax if step < args.sampled_softmax_iters else 0
+
+
+def softmax_sample(step: int, micro_step: int, args, vocab: int, env) -> SoftmaxSample | None:
+    """The sampled softmax of a micro-batch at `step`, or None for the full softmax. The draws depend only on
+    (seed, step, micro_step, rank), so a resumed run draws what the uninterrupted one drew."""
+    columns = softmax_columns_at(step, args)
+    if not columns:
+        return None
+    generator = torch.Generator(env.device).manual_seed(
+        ((args.seed * 1_000_003 + step) * 1_009 + micro_step) * 1_013 + env.rank)
+    return SoftmaxSample(columns, torch.rand(vocab, generator=generator, device=env.device))
+
+
 def layerdrop_at(step: int, args) -> float:
     """LayerDrop's skip probability at `step`: --layerdrop falling linearly to 0 at --layerdrop_iters."""
     if step >= args.layerdrop_iters:
@@ -1935,20 +2025,23 @@ def peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
-def flops_per_token(model: GPT, seq_len: int, sample: torch.Tensor | None = None, local_window: int = 0) -> float:
+def flops_per_token(model: GPT, seq_len: int, sample: torch.Tensor | None = None, local_window: int = 0,
+                    head_columns: int = 0) -> float:
     """Training FLOPs per token, PaLM convention: 6 per matmul parameter (forward + backward) plus
     attention's QK^T and AV, 12 * T * n_embd per layer, where a local layer's T is its window (at most the
     sequence): a chunked or sliding window does that much less attention work, and MFU should not count it.
     local_window other than 0 replaces the local layers' window (the window warmup's). Under doc_mask, T is
     the mean range within documents over `sample`, rows of training tokens (seq_len long); without a sample,
-    the row's."""
+    the row's. head_columns other than 0: the next-token head scores that many columns, not the whole
+    vocabulary (the sampled softmax's)."""
     c = model.config
     windows = [Masking(local_window).window(c.layer_window(layer)) for layer in range(c.n_layer)]
     if c.doc_mask and sample is not None:
         spans = (mean_attention_span(sample, window, c.chunked_windows, c.doc_token) for window in windows)
     else:
         spans = (min(window or seq_len, seq_len) for window in windows)
-    return 6 * model.matmul_params() + 12 * sum(spans) * c.n_embd
+    head_skipped = c.vocab_size - head_columns if head_columns else 0
+    return 6 * (model.matmul_params() - head_skipped * c.n_embd) + 12 * sum(spans) * c.n_embd
 
 
 def mean_attention_span(rows: torch.Tensor, window: int, chunked: bool, doc_token: int) -> float:
@@ -1973,31 +2066,33 @@ class StepMeter:
     def __init__(self, model: GPT, env, tokens_per_step: int, sample: torch.Tensor | None = None):
         self.model, self.sample, self.peak = model, sample, peak_flops(env.device)
         self.device, self.world_size, self.tokens_per_step = env.device, env.world_size, tokens_per_step
-        self.flops_by_shape: dict[tuple[int, int], float] = {}  # (row length, local window) -> FLOPs per token
+        self.flops_by_shape: dict[tuple[int, int, int], float] = {}  # (rows, window, head columns) -> FLOPs/token
         self.step_seconds: list[float] = []  # this process's steps (a resumed run counts from the resume)
         self.step_mfus: list[float] = []  # the MFU of each of those steps, at its own row length and window
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def flops_token(self, rows: int, local_window: int) -> float:
+    def flops_token(self, rows: int, local_window: int, head_columns: int = 0) -> float:
         """FLOPs per token of a step on rows of `rows` tokens (the curriculum's) with local_window (the window
-        warmup's; 0: the model's): shorter rows and windows do less attention work, and MFU counts only that."""
-        shape = (rows, local_window)
+        warmup's; 0: the model's) and a head of head_columns (the sampled softmax's; 0: the vocabulary): shorter
+        rows and windows do less attention work, a sampled head fewer products, and MFU counts only that."""
+        shape = (rows, local_window, head_columns)
         if shape not in self.flops_by_shape:
             sample = None if self.sample is None else self.sample.reshape(-1, rows)
-            self.flops_by_shape[shape] = flops_per_token(self.model, rows, sample, local_window)
+            self.flops_by_shape[shape] = flops_per_token(self.model, rows, sample, local_window, head_columns)
         return self.flops_by_shape[shape]
 
-    def mfu(self, tokens_per_s: float, rows: int, local_window: int) -> float | None:
+    def mfu(self, tokens_per_s: float, rows: int, local_window: int, head_columns: int = 0) -> float | None:
         if not self.peak:
             return None  # a GPU without a known peak: n/a, never a guess
-        return self.flops_token(rows, local_window) * tokens_per_s / (self.peak * self.world_size)
+        return self.flops_token(rows, local_window, head_columns) * tokens_per_s / (self.peak * self.world_size)
 
-    def step(self, seconds: float, tokens: int, rows: int, local_window: int) -> tuple[float, float | None]:
+    def step(self, seconds: float, tokens: int, rows: int, local_window: int,
+             head_columns: int = 0) -> tuple[float, float | None]:
         """Record one step's time and tokens; its tokens/s and MFU. Full steps make the steady median and the
         eta: the batch ramp's smaller ones aside."""
         tokens_per_s = tokens / seconds
-        mfu = self.mfu(tokens_per_s, rows, local_window)
+        mfu = self.mfu(tokens_per_s, rows, local_window, head_columns)
         if tokens == self.tokens_per_step:
             self.step_seconds.append(seconds)
             if mfu is not None:
@@ -2400,6 +2495,7 @@ def setup_run(args) -> Run:
     check_run_flags(args)
     config = resolve_model_config(args)
     check_window_warmup(args, config)
+    check_sampled_softmax(args, config)
     env = setup_distributed(args.device)
     accumulation = resolve_grad_accumulation(args, env.world_size)
     B, T = args.batch_size, args.sequence_length
@@ -2491,6 +2587,10 @@ def setup_run(args) -> Run:
     log.print(f"model {args.model}: {raw_model.num_params():,} parameters | {run.tokens_per_step:,} tokens/step "
               f"({B}x{T} x {accumulation} accumulation x {env.world_size} processes) | train data "
               f"{train_loader.total_tokens:,} tokens in {len(train_loader.files)} shards | run dir {run_dir}")
+    if args.sampled_softmax:
+        log.print(f"sampled softmax: {args.sampled_softmax:,} of {config.vocab_size:,} columns for the first "
+                  f"{args.sampled_softmax_iters:,} steps; their logged training loss is that softmax's estimate of "
+                  "the full one (evaluation always scores the full softmax)")
     if args.bos_align:
         log.print(f"rows begin at documents: {train_loader.trained_fraction():.0%} of the first shard's tokens are "
                   "trained on, the rest are the skipped ends of cut documents")
@@ -2500,7 +2600,7 @@ def setup_run(args) -> Run:
 def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
     """Optimizer step number step + 1 over the run's micro-batches at `scale` × each group's peak learning rate,
     with the batch ramp's micro-batches, the curriculum's row length, the window warmup's local window, the
-    extra targets' weights and LayerDrop's skipped blocks for that step. Returns the mean next-token loss (a device tensor) and the mean
+    extra targets' weights, the sampled softmax and LayerDrop's skipped blocks for that step. Returns the mean next-token loss (a device tensor) and the mean
     of each auxiliary term the model reports (extra-target and MTP losses, MoE balance and load)."""
     step_loss = torch.zeros((), device=run.env.device)
     aux_means: dict[str, torch.Tensor] = {}
@@ -2515,13 +2615,14 @@ def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
         if rows != x.size(1):  # the same tokens in the same order as (B * T / rows, rows)
             x, y = x.reshape(-1, rows), y.reshape(-1, rows)
         drop = blocks_to_drop(step, micro_step, run.args, run.config.n_layer)
+        sample = softmax_sample(step, micro_step, run.args, run.config.vocab_size, run.env)
         # DDP all-reduces gradients only on the last micro-batch.
         last = micro_step == accumulation - 1
         sync = contextlib.nullcontext() if run.env.world_size == 1 or last else run.model.no_sync()
         with sync:
             with run.autocast_ctx:
                 _, objective, aux = run.model(x, y, return_logits=False, drop_blocks=drop, local_window=window,
-                                              extra_target_weights=extra_weights)
+                                              extra_target_weights=extra_weights, sampled_softmax=sample)
             (objective / accumulation).backward()
         step_loss += aux.pop("next_token_loss") / accumulation
         for name, value in aux.items():
@@ -2563,11 +2664,12 @@ def graph_breaks() -> int:
 
 def warm_up_steps(args, config: GPTConfig) -> list[int]:
     """The steps the compile warm-up runs: three at step 0, and three more at the first step of each later
-    stage of the curriculum or the window warmup (each row length and window is a graph of its own)."""
+    stage of the curriculum or the window warmup, and at the sampled softmax's end (each row length, window
+    and softmax is a graph of its own)."""
     def shape(step):
-        return row_length_at(step, args), local_window_at(step, args, config)
+        return row_length_at(step, args), local_window_at(step, args, config), softmax_columns_at(step, args)
     steps = [0]
-    for step in range(1, max(args.curriculum_iters, args.window_iters) + 1):
+    for step in range(1, max(args.curriculum_iters, args.window_iters, args.sampled_softmax_iters) + 1):
         if shape(step) != shape(step - 1):
             steps.append(step)
     return [step for step in steps for _ in range(3)]
@@ -2830,7 +2932,8 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
 
         step_s, step_loss, aux, lr = timed_step(run, step)
         tokens_per_s, mfu = meter.step(step_s, run.tokens_through(step + 1) - run.tokens_through(step),
-                                       row_length_at(step, args), local_window_at(step, args, run.config))
+                                       row_length_at(step, args), local_window_at(step, args, run.config),
+                                       softmax_columns_at(step, args))
         step = outcome.step = step + 1
         if len(meter.step_seconds) == 10 and step < final_step:  # once the step time has settled
             emit(meter.eta_line(final_step - step))

@@ -41,7 +41,7 @@ NOCAP_STEPS, NOCAP_WARMUP, NOCAP_WARMDOWN = 4768, 256, 1024
 # Flags counted in optimizer steps: what --budget scales with the run's length.
 STEP_FLAGS = ("num_iterations", "warmup_iters", "warmdown_iters", "muon_momentum_warmup", "val_loss_every",
               "curriculum_iters", "window_iters", "layerdrop_iters", "batch_ramp_iters", "ema_start",
-              "extra_targets_iters")
+              "extra_targets_iters", "sampled_softmax_iters")
 # Every proxy run: the whole schedule (no early stop), scored under autocast like training (bf16: a sweep
 # setting, so proxy losses are compared only with proxy losses), no coordinate-descent tuning (compile time).
 COMMON_FLAGS = dict(target_val_loss=0, val_dtype="bf16", coordinate_descent_tuning=False)

@@ -1,13 +1,14 @@
 """The head and its loss: the fused head loss against autograd through the logits, its logits product in FP8
-(training only, with a notice where there is no FP8), multi-token prediction."""
+(training only, with a notice where there is no FP8), multi-token prediction, the sampled softmax."""
 
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from model_variants import TINY, with_overrides
-from train_gpt2 import GPT
+from train_gpt2 import GPT, SoftmaxSample, sampled_softmax_columns
 
 from conftest import cosine
 
@@ -20,7 +21,7 @@ def test_fp8_head_falls_back_with_a_notice_on_gpus_without_fp8(monkeypatch, caps
     assert train_gpt2.fp8_supported(torch.device("cuda")) and train_gpt2.fp8_supported(torch.device("cpu"))
     calls = []
     apply = train_gpt2.HeadCrossEntropy.apply
-    monkeypatch.setattr(train_gpt2.HeadCrossEntropy, "apply", lambda *a: calls.append(a[-1]) or apply(*a))
+    monkeypatch.setattr(train_gpt2.HeadCrossEntropy, "apply", lambda *a: calls.append(a[6]) or apply(*a))
     monkeypatch.setattr(train_gpt2, "fp8_supported", lambda device: False)
     model = GPT(with_overrides(TINY, vocab_size=64, fused_head_loss=True, fp8_head=True))
     idx = torch.randint(0, 64, (2, 8))
@@ -119,7 +120,7 @@ def test_fused_head_loss_trains_like_the_plain_head_and_only_where_a_gradient_is
     import train_gpt2
     calls = []
     apply = train_gpt2.HeadCrossEntropy.apply
-    monkeypatch.setattr(train_gpt2.HeadCrossEntropy, "apply", lambda *a: calls.append(a[-1]) or apply(*a))
+    monkeypatch.setattr(train_gpt2.HeadCrossEntropy, "apply", lambda *a: calls.append(a[6]) or apply(*a))
     torch.manual_seed(0)
     config = with_overrides(TINY, logit_softcap=15.0, mtp_k=1)
     plain, fused = GPT(config), GPT(with_overrides(config, fused_head_loss=True))
@@ -224,3 +225,88 @@ def test_fused_extra_targets_match_the_plain_head_and_fade_to_next_token_predict
     next_objective, _, next_grads = grads(fused, None)
     assert torch.equal(faded_objective, next_objective) and faded_objective != fused_objective
     assert all(torch.equal(a, b) for a, b in zip(faded_grads, next_grads))
+
+
+# --- the sampled softmax ---------------------------------------------------------------------------------------
+
+def test_sampled_softmax_columns_hold_every_target_and_the_highest_drawn_others():
+    torch.manual_seed(0)
+    V, K = 64, 24
+    targets = torch.randint(0, 20, (2, 8))
+    targets[0, 0] = -1
+    in_batch = set(targets[targets >= 0].tolist())
+    draws = torch.rand(V)
+    columns, bias, positions = sampled_softmax_columns(targets, SoftmaxSample(K, draws), V)
+    assert len(set(columns.tolist())) == K and in_batch <= set(columns.tolist())
+    others = sorted(set(range(V)) - in_batch, key=lambda c: -draws[c].item())
+    assert set(columns.tolist()) - in_batch == set(others[:K - len(in_batch)])
+    U = len(in_batch)  # each drawn column stands in for (V - U) / (K - U) of the others
+    torch.testing.assert_close(bias, torch.tensor([0.0 if c in in_batch else math.log((V - U) / (K - U))
+                                                   for c in columns.tolist()]))
+    valid = targets >= 0
+    assert torch.equal(columns[positions[valid]], targets[valid]) and positions[0, 0] == -1
+
+
+def test_a_micro_batch_with_more_targets_than_columns_ignores_the_positions_of_those_left_out():
+    targets = torch.arange(12).repeat(2)[None]  # 12 distinct targets, twice each
+    columns, bias, positions = sampled_softmax_columns(targets, SoftmaxSample(8, torch.rand(32)), 32)
+    assert set(columns.tolist()) < set(range(12)) and not bias.any()  # targets only, none drawn
+    kept = positions >= 0
+    assert kept.sum() == 16 and torch.equal(columns[positions[kept]], targets[kept])
+    assert set(targets[~kept].tolist()).isdisjoint(columns.tolist())
+
+
+def test_the_sampled_normalizer_averages_to_the_full_softmaxs():
+    # Over the draws, sum(exp(z + bias)) over the columns estimates the full sum(exp(z)) without bias.
+    g = torch.Generator().manual_seed(0)
+    V, K = 64, 24
+    z = torch.randn(V, generator=g, dtype=torch.float64) * 2
+    targets = torch.randint(0, 20, (16,), generator=g)
+    estimates = []
+    for _ in range(4000):
+        columns, bias, _ = sampled_softmax_columns(targets, SoftmaxSample(K, torch.rand(V, generator=g)), V)
+        estimates.append((z[columns] + bias).exp().sum())
+    assert torch.stack(estimates).mean() == pytest.approx(z.exp().sum(), rel=0.02)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_sampled_softmax_scores_its_columns_with_their_bias_in_training_only(fused):
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=64, logit_softcap=15.0, fused_head_loss=fused,
+                               tie_embeddings=False))
+    idx = torch.randint(0, 64, (2, 16))
+    targets = torch.randint(0, 40, (2, 16))
+    targets[0, 3] = -1
+    sample = SoftmaxSample(48, torch.rand(64))
+    _, objective, aux = model(idx, targets, return_logits=False, sampled_softmax=sample)
+    objective.backward()
+    columns, bias, positions = sampled_softmax_columns(targets, sample, 64)
+    logits = model.logits(_final_hidden(model, idx))
+    expected = F.cross_entropy((logits[..., columns] + bias).reshape(-1, 48), positions.reshape(-1), ignore_index=-1)
+    torch.testing.assert_close(objective, expected)
+    torch.testing.assert_close(aux["next_token_loss"], expected.detach())
+    left_out = torch.ones(64, dtype=torch.bool)
+    left_out[columns] = False
+    head_grad = model.lm_head.weight.grad
+    assert not head_grad[left_out].any() and head_grad[~left_out].abs().sum(dim=1).all()
+    model.eval()  # evaluation scores the full softmax whatever it is given
+    full = F.cross_entropy(logits.reshape(-1, 64), targets.reshape(-1), ignore_index=-1)
+    torch.testing.assert_close(model(idx, targets, sampled_softmax=sample)[1], full)
+
+
+def test_the_fused_sampled_softmax_matches_the_plain_head():
+    torch.manual_seed(0)
+    config = with_overrides(TINY, vocab_size=64, logit_softcap=15.0)
+    plain, fused = GPT(config), GPT(with_overrides(config, fused_head_loss=True))
+    fused.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+    sample = SoftmaxSample(40, torch.rand(64))
+
+    def grads(model):
+        _, objective, _ = model(idx, idx.roll(-1, dims=1), return_logits=False, sampled_softmax=sample)
+        objective.backward()
+        return objective, [p.grad for p in model.parameters()]
+    (plain_objective, plain_grads), (fused_objective, fused_grads) = grads(plain), grads(fused)
+    torch.testing.assert_close(fused_objective, plain_objective)
+    for got, want in zip(fused_grads, plain_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

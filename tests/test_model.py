@@ -73,6 +73,13 @@ def test_flops_count_the_attention_local_layers_do():
     assert flops_per_token(full, 1024, local_window=64) == flops_per_token(full, 1024)  # no local layers
 
 
+def test_flops_count_the_columns_a_sampled_softmax_scores():
+    with torch.device("meta"):
+        model = GPT(D12)
+    V, d = 50257, 768
+    assert flops_per_token(model, 1024, head_columns=8192) == flops_per_token(model, 1024) - 6 * (V - 8192) * d
+
+
 def test_step_mfu_counts_each_steps_rows_and_window():
     from types import SimpleNamespace
     from train_gpt2 import StepMeter
@@ -86,6 +93,8 @@ def test_step_mfu_counts_each_steps_rows_and_window():
     assert mfus[0] < mfus[2] and mfus[1] < mfus[2]  # less attention done at the same tokens/s
     assert meter.step(1.0, 50, 1024, 0)[1] == pytest.approx(mfus[2] / 4)  # a batch-ramp step: its own MFU ...
     assert meter.steady_mfu() == sorted(mfus)[1]  # ... but only full steps make the summary's median
+    sampled = meter.step(0.5, 100, 1024, 0, 8192)[1]  # a sampled softmax's step: the head products it makes
+    assert sampled == flops_per_token(model, 1024, head_columns=8192) * 200 / 1e15 and sampled < mfus[2]
 
 
 def test_under_doc_mask_the_flops_count_attention_within_documents():

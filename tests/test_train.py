@@ -396,7 +396,8 @@ def test_total_batch_size_derives_accumulation(tmp_path, shards, capsys):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon", "lion", "adamw8bit",
                                        "muon --muon_orthogonalize polar_express --normuon_beta2 0.95 "
-                                       "--cautious_weight_decay 1.2"])
+                                       "--cautious_weight_decay 1.2",
+                                       "adamw --sampled_softmax 64 --sampled_softmax_iters 6"])
 def test_resume_from_a_periodic_checkpoint_gives_the_uninterrupted_losses(tmp_path, shards, capsys, monkeypatch,
                                                                            optimizer):
     import train_gpt2

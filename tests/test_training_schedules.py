@@ -1,6 +1,6 @@
 """Schedules over the steps of a run beyond the learning rate: the attention-window warmup, the batch-size
-ramp and the extra targets' fade, each checked for what it schedules, what a run then computes, and its flags'
-errors."""
+ramp, the extra targets' fade and the sampled softmax's span, each checked for what it schedules, what a run
+then computes, and its flags' errors."""
 
 import json
 from argparse import Namespace
@@ -11,7 +11,7 @@ import torch
 from conftest import read_metrics, tiny_run_args
 from model_variants import TINY, VARIANTS, with_overrides
 from train_gpt2 import (GPT, accumulation_at, build_parser, extra_target_weights_at, local_window_at, main,
-                        tokens_through, warm_up_steps)
+                        softmax_columns_at, softmax_sample, tokens_through, warm_up_steps)
 
 
 def parse(*flags) -> Namespace:
@@ -174,4 +174,78 @@ def test_extra_targets_flags_explain_themselves(tmp_path, shards, capsys):
     assert error("--extra_targets_iters", "5") == [together]
     assert error("--extra_targets", "-1", "--extra_targets_iters", "5") == [
         "error: --extra_targets -1: pass how many tokens after the next to score too (e.g. 2), or 0 for none"]
+    assert not (tmp_path / "run").exists()
+
+
+# --- the sampled softmax's span --------------------------------------------------------------------------------
+
+def test_the_sampled_softmax_lasts_its_steps_and_draws_by_seed_step_and_micro_batch():
+    from types import SimpleNamespace
+    args = parse("--sampled_softmax", "32", "--sampled_softmax_iters", "50")
+    assert [softmax_columns_at(step, args) for step in (0, 49, 50, 999)] == [32, 32, 0, 0]
+    assert warm_up_steps(args, VARIANTS["d12"]) == [0, 0, 0, 50, 50, 50]  # the full softmax is a graph of its own
+    env = SimpleNamespace(device=torch.device("cpu"), rank=0)
+    first = softmax_sample(7, 1, args, 256, env)
+    assert first.columns == 32 and first.draws.shape == (256,)
+    assert torch.equal(first.draws, softmax_sample(7, 1, args, 256, env).draws)  # a resumed run draws the same
+    others = [softmax_sample(7, 0, args, 256, env), softmax_sample(8, 1, args, 256, env),
+              softmax_sample(7, 1, parse("--sampled_softmax", "32", "--sampled_softmax_iters", "50", "--seed", "1"),
+                             256, env), softmax_sample(7, 1, args, 256, SimpleNamespace(device=env.device, rank=1))]
+    assert not any(torch.equal(first.draws, other.draws) for other in others)
+    assert softmax_sample(50, 0, args, 256, env) is None
+
+
+def test_a_sampled_softmax_run_samples_for_its_steps_and_says_what_its_training_loss_is(tmp_path, shards, capsys,
+                                                                                        monkeypatch):
+    seen = []
+    forward = GPT.forward
+
+    def recording_forward(self, idx, targets=None, **kwargs):
+        if self.training:
+            sample = kwargs["sampled_softmax"]
+            seen.append(None if sample is None else sample.columns)
+        return forward(self, idx, targets, **kwargs)
+    monkeypatch.setattr(GPT, "forward", recording_forward)
+    assert main(tiny_run_args(shards, tmp_path, "run", "--sampled_softmax", "64", "--sampled_softmax_iters", "4")) == 0
+    out = capsys.readouterr().out
+    assert seen == [64] * 8 + [None] * 4  # 6 steps of 2 micro-batches, the last two on the full softmax
+    assert ("sampled softmax: 64 of 256 columns for the first 4 steps; their logged training loss is that "
+            "softmax's estimate of the full one (evaluation always scores the full softmax)") in out
+    steps = [r for r in read_metrics(tmp_path / "run") if "train_loss" in r]
+    assert len(steps) == 6 and all(0 < r["train_loss"] < 10 for r in steps)
+
+
+def test_a_compiled_sampled_softmax_run_builds_both_softmaxes_graphs_in_the_warm_up(tmp_path, shards, capsys,
+                                                                                     monkeypatch):
+    import torch._dynamo.testing
+    import train_gpt2
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    real_compile, real_warm_up, after_warm_up = torch.compile, train_gpt2.warm_up_compile, []
+
+    def compile_counted(fn, **kwargs):
+        return real_compile(fn, backend=counter, **kwargs)
+
+    def warm_up(run):
+        seconds = real_warm_up(run)
+        after_warm_up.append(counter.frame_count)
+        return seconds
+    monkeypatch.setattr(train_gpt2.torch, "compile", compile_counted)
+    monkeypatch.setattr(train_gpt2, "warm_up_compile", warm_up)
+    flags = ("--compile", "--sampled_softmax", "64", "--sampled_softmax_iters", "3")
+    assert main(tiny_run_args(shards, tmp_path, "run", *flags)) == 0
+    assert "graph break" not in capsys.readouterr().err
+    assert counter.frame_count == after_warm_up[0] > 0  # nothing compiled in the timed steps
+
+
+def test_sampled_softmax_flags_explain_themselves(tmp_path, shards, capsys):
+    def error(*extra):
+        assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 2
+        return capsys.readouterr().err.strip().splitlines()
+    together = ("error: --sampled_softmax and --sampled_softmax_iters go together: the sampled softmax of "
+                "--sampled_softmax columns trains for --sampled_softmax_iters steps; pass both (> 0) or neither")
+    assert error("--sampled_softmax", "64") == [together]
+    assert error("--sampled_softmax_iters", "5") == [together]
+    assert error("--sampled_softmax", "256", "--sampled_softmax_iters", "5") == [
+        "error: --sampled_softmax 256: pass fewer columns than the vocabulary's 256, or 0 for the full softmax"]
     assert not (tmp_path / "run").exists()
