@@ -374,13 +374,19 @@ def check_batch_ramp(args, accumulation: int, micro_tokens: int):
 
 
 def check_sampled_softmax(args, config: GPTConfig):
+    """The sampled softmax's flags; a sample as large as the vocabulary (a recipe's, under a smaller
+    --vocab_size) is the full softmax, and trains as it, with a notice."""
+    if args.sampled_softmax < 0:
+        raise InputError(f"--sampled_softmax {args.sampled_softmax}: pass how many columns to score (e.g. 16384), "
+                         "or 0 for the full softmax")
     if (args.sampled_softmax > 0) != (args.sampled_softmax_iters > 0):
         raise InputError("--sampled_softmax and --sampled_softmax_iters go together: the sampled softmax of "
                          "--sampled_softmax columns trains for --sampled_softmax_iters steps; pass both (> 0) "
                          "or neither")
-    if not 0 <= args.sampled_softmax < config.vocab_size:
-        raise InputError(f"--sampled_softmax {args.sampled_softmax}: pass fewer columns than the vocabulary's "
-                         f"{config.vocab_size}, or 0 for the full softmax")
+    if args.sampled_softmax >= config.vocab_size:
+        notice(f"--sampled_softmax {args.sampled_softmax} covers the whole vocabulary of {config.vocab_size}: "
+               "the full softmax trains instead")
+        args.sampled_softmax = args.sampled_softmax_iters = 0
 
 
 def check_window_warmup(args, config: GPTConfig):

@@ -874,6 +874,8 @@ def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
     assert val_row_length(shorter) == 1024  # validated on the rows it trains on
     assert (fast.warmdown_iters, fast.num_iterations, fast.normuon_beta2, fast.cautious_weight_decay) == (
         16000, 16000, 0.95, 1.2)
+    # The sampled softmax spans the schedule and its overtime, so the run never switches softmax (one graph).
+    assert (fast.sampled_softmax, fast.sampled_softmax_iters) == (16384, fast.num_iterations + fast.overtime_steps)
     assert (d12.normuon_beta2, d12.muon_orthogonalize) == (0.0, "newton_schulz")
     assert parse_args(["--model", "d12_fast", "--batch_size", "16"]).batch_size == 16
     assert d12.coordinate_descent_tuning and not fast.coordinate_descent_tuning  # on/off flags too

@@ -246,6 +246,24 @@ def test_sampled_softmax_flags_explain_themselves(tmp_path, shards, capsys):
                 "--sampled_softmax columns trains for --sampled_softmax_iters steps; pass both (> 0) or neither")
     assert error("--sampled_softmax", "64") == [together]
     assert error("--sampled_softmax_iters", "5") == [together]
-    assert error("--sampled_softmax", "256", "--sampled_softmax_iters", "5") == [
-        "error: --sampled_softmax 256: pass fewer columns than the vocabulary's 256, or 0 for the full softmax"]
+    assert error("--sampled_softmax", "-1", "--sampled_softmax_iters", "5") == [
+        "error: --sampled_softmax -1: pass how many columns to score (e.g. 16384), or 0 for the full softmax"]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_sample_of_the_whole_vocabulary_trains_the_full_softmax_with_a_notice(tmp_path, shards, capsys,
+                                                                              monkeypatch):
+    seen = []
+    forward = GPT.forward
+
+    def recording_forward(self, idx, targets=None, **kwargs):
+        seen.append(kwargs.get("sampled_softmax"))
+        return forward(self, idx, targets, **kwargs)
+    monkeypatch.setattr(GPT, "forward", recording_forward)
+    flags = ("--sampled_softmax", "256", "--sampled_softmax_iters", "5")  # the tests' vocabulary has 256 tokens
+    assert main(tiny_run_args(shards, tmp_path, "run", *flags)) == 0
+    assert ("notice: --sampled_softmax 256 covers the whole vocabulary of 256: the full softmax trains instead"
+            in capsys.readouterr().err)
+    assert seen and not any(seen)
+    args = json.loads((tmp_path / "run" / "config.json").read_text())["args"]
+    assert (args["sampled_softmax"], args["sampled_softmax_iters"]) == (0, 0)  # the config says what trained
