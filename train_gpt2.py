@@ -187,8 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "vocab of theirs. The logged training loss is then that softmax's estimate; evaluation "
                         "always scores the full softmax. 0: off")
     g.add_argument("--sampled_softmax_iters", type=int, default=0,
-                   help="steps the sampled softmax lasts, e.g. three quarters of --num_iterations (the full "
-                        "softmax trains after them)")
+                   help="steps the sampled softmax lasts (d12_fast: the whole schedule and its overtime); the "
+                        "full softmax trains after them")
     g.add_argument("--weight_decay", type=float, default=0.1,
                    help="decoupled weight decay of every parameter (--optimizer muon: but the gains and mixing "
                         "scalars, and of Muon's matrices only without --cautious_weight_decay)")
@@ -957,15 +957,14 @@ class GPT(nn.Module):
         weights = torch.ones(1, device=h.device)
         if n_extra:
             weights = torch.cat([weights, extra_weights.to(weights.dtype)])
-        weight, bias = None, None
+        weight, bias = self.lm_head.weight, None
         if sample is not None:
             columns, bias, stacked = sampled_softmax_columns(stacked, sample, c.vocab_size)
-            weight, logits = self.lm_head.weight[columns], None
+            weight, logits = weight[columns], None
         if logits is None and c.fused_head_loss and torch.is_grad_enabled():
             check_head_loss_kernel(h.device)
             fp8 = c.fp8_head and self.training and fp8_runs(h, "fp8_head")
-            return HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)),
-                                          self.lm_head.weight if weight is None else weight,
+            return HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight,
                                           stacked.reshape(-1, n_extra + 1), weights, c.logit_softcap,
                                           compute_dtype(h), fp8, bias)
         if logits is None:
