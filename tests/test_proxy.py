@@ -61,6 +61,8 @@ def test_d12_fasts_p100_form_is_its_recipe_at_20m_tokens():
     assert (spec.steps, spec.tokens_per_step) == (305, 65_536)
     assert (args["warmdown_iters"], args["muon_momentum_warmup"], args["val_loss_every"]) == (305, 46, 10)
     assert (args["window_start"], args["window_iters"]) == (64, 200)  # the measured window warmup: 64 -> 256 by 200
+    # The sampled softmax spans schedule and overtime (24,000 of 16,000 steps): cut to the run, it spans all of it.
+    assert (args["sampled_softmax"], args["sampled_softmax_iters"]) == (16384, 305)
     spec, _ = trainer_view("P100", "d12_fast --budget 40M")  # the spec's budget wins over the form's
     assert spec.steps == 610
 
