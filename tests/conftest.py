@@ -89,3 +89,26 @@ def next_token_logit_grads(model, idx, t):
 def cosine(a, b) -> float:
     """Cosine similarity of two tensors, flattened, in float64."""
     return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def count_compiles(monkeypatch) -> tuple:
+    """Route the trainer's torch.compile through dynamo's counting backend (eager, so it is quick) and record the
+    frames compiled by the end of each compile warm-up. Returns (counter, frames after each warm-up); a run
+    whose counter.frame_count still equals the warm-up's compiled nothing in its timed steps."""
+    import torch._dynamo.testing
+    import train_gpt2
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    real_compile, real_warm_up, after_warm_up = torch.compile, train_gpt2.warm_up_compile, []
+
+    def compile_counted(fn, **kwargs):
+        kwargs.pop("mode", None)
+        return real_compile(fn, backend=counter, **kwargs)
+
+    def warm_up(run):
+        seconds = real_warm_up(run)
+        after_warm_up.append(counter.frame_count)
+        return seconds
+    monkeypatch.setattr(train_gpt2.torch, "compile", compile_counted)
+    monkeypatch.setattr(train_gpt2, "warm_up_compile", warm_up)
+    return counter, after_warm_up

@@ -13,7 +13,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-from conftest import REPO, make_shards, read_metrics, tiny_run_args, train_losses
+from conftest import REPO, count_compiles, make_shards, read_metrics, tiny_run_args, train_losses
 from train_gpt2 import InputError, build_parser, format_summary, lr_scale, main, peak_flops, val_row_length
 
 
@@ -576,22 +576,7 @@ def test_the_compile_mode_reaches_every_compiled_graph(tmp_path, shards, capsys,
 def test_nothing_compiles_after_the_warm_up_under_layerdrop(tmp_path, shards, capsys, monkeypatch):
     # A step that drops a block leaves a shape's matrices without gradients, and Muon updates that shape eagerly;
     # its compiled update must still be built in the warm-up, not in the first timed step that drops nothing.
-    import torch._dynamo.testing
-    import train_gpt2
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
-    real_compile, real_warm_up, after_warm_up = torch.compile, train_gpt2.warm_up_compile, []
-
-    def compile_counted(fn, **kwargs):
-        kwargs.pop("mode", None)
-        return real_compile(fn, backend=counter, **kwargs)
-
-    def warm_up(run):
-        seconds = real_warm_up(run)
-        after_warm_up.append(counter.frame_count)
-        return seconds
-    monkeypatch.setattr(train_gpt2.torch, "compile", compile_counted)
-    monkeypatch.setattr(train_gpt2, "warm_up_compile", warm_up)
+    counter, after_warm_up = count_compiles(monkeypatch)
     code, _, _ = run(capsys, shards, tmp_path, "run", "--compile", "--optimizer", "muon", "--layerdrop", "0.9",
                      "--layerdrop_iters", "6")
     assert code == 0 and after_warm_up[0] > 0

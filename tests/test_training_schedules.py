@@ -8,7 +8,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-from conftest import read_metrics, tiny_run_args
+from conftest import count_compiles, read_metrics, tiny_run_args
 from model_variants import TINY, VARIANTS, with_overrides
 from train_gpt2 import (GPT, accumulation_at, build_parser, extra_target_weights_at, local_window_at, main,
                         softmax_columns_at, softmax_sample, tokens_through, warm_up_steps)
@@ -217,21 +217,7 @@ def test_a_sampled_softmax_run_samples_for_its_steps_and_says_what_its_training_
 
 def test_a_compiled_sampled_softmax_run_builds_both_softmaxes_graphs_in_the_warm_up(tmp_path, shards, capsys,
                                                                                      monkeypatch):
-    import torch._dynamo.testing
-    import train_gpt2
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
-    real_compile, real_warm_up, after_warm_up = torch.compile, train_gpt2.warm_up_compile, []
-
-    def compile_counted(fn, **kwargs):
-        return real_compile(fn, backend=counter, **kwargs)
-
-    def warm_up(run):
-        seconds = real_warm_up(run)
-        after_warm_up.append(counter.frame_count)
-        return seconds
-    monkeypatch.setattr(train_gpt2.torch, "compile", compile_counted)
-    monkeypatch.setattr(train_gpt2, "warm_up_compile", warm_up)
+    counter, after_warm_up = count_compiles(monkeypatch)
     flags = ("--compile", "--sampled_softmax", "64", "--sampled_softmax_iters", "3")
     assert main(tiny_run_args(shards, tmp_path, "run", *flags)) == 0
     assert "graph break" not in capsys.readouterr().err
