@@ -2494,6 +2494,20 @@ class Run:
         return tokens_through(step, self.args, self.accumulation, self.micro_tokens)
 
 
+def report_sampled_softmax(args, config: GPTConfig, loader: TokenLoader, log: RunLog):
+    """Say what the sampled softmax trains on, with the first micro-batch's distinct tokens (about its distinct
+    targets): where they outnumber the columns, the positions of the targets left out go untrained."""
+    K = args.sampled_softmax
+    distinct = len(torch.unique(loader.sample_rows(loader.B)))
+    log.print(f"sampled softmax: {K:,} of {config.vocab_size:,} columns for the first {args.sampled_softmax_iters:,} "
+              f"steps, against the first micro-batch's {distinct:,} distinct tokens; their logged training loss is "
+              "that softmax's estimate of the full one (evaluation always scores the full softmax)")
+    if distinct > K:
+        notice(f"--sampled_softmax {K}: the first micro-batch holds {distinct:,} distinct tokens, more than the "
+               "columns, so the positions whose target is left out are not trained on; raise --sampled_softmax "
+               "above them or lower --batch_size")
+
+
 def setup_run(args) -> Run:
     """Check the flags, set up the device and processes, build data, model and optimizer, resume from a
     checkpoint if asked, open the logs and compile. Bad input raises InputError before anything is written."""
@@ -2593,9 +2607,7 @@ def setup_run(args) -> Run:
               f"({B}x{T} x {accumulation} accumulation x {env.world_size} processes) | train data "
               f"{train_loader.total_tokens:,} tokens in {len(train_loader.files)} shards | run dir {run_dir}")
     if args.sampled_softmax:
-        log.print(f"sampled softmax: {args.sampled_softmax:,} of {config.vocab_size:,} columns for the first "
-                  f"{args.sampled_softmax_iters:,} steps; their logged training loss is that softmax's estimate of "
-                  "the full one (evaluation always scores the full softmax)")
+        report_sampled_softmax(args, config, train_loader, log)
     if args.bos_align:
         log.print(f"rows begin at documents: {train_loader.trained_fraction():.0%} of the first shard's tokens are "
                   "trained on, the rest are the skipped ends of cut documents")

@@ -209,8 +209,9 @@ def test_a_sampled_softmax_run_samples_for_its_steps_and_says_what_its_training_
     assert main(tiny_run_args(shards, tmp_path, "run", "--sampled_softmax", "64", "--sampled_softmax_iters", "4")) == 0
     out = capsys.readouterr().out
     assert seen == [64] * 8 + [None] * 4  # 6 steps of 2 micro-batches, the last two on the full softmax
-    assert ("sampled softmax: 64 of 256 columns for the first 4 steps; their logged training loss is that "
-            "softmax's estimate of the full one (evaluation always scores the full softmax)") in out
+    assert "sampled softmax: 64 of 256 columns for the first 4 steps, against the first micro-batch's " in out
+    assert ("distinct tokens; their logged training loss is that softmax's estimate of the full one (evaluation "
+            "always scores the full softmax)") in out
     steps = [r for r in read_metrics(tmp_path / "run") if "train_loss" in r]
     assert len(steps) == 6 and all(0 < r["train_loss"] < 10 for r in steps)
 
@@ -222,6 +223,23 @@ def test_a_compiled_sampled_softmax_run_builds_both_softmaxes_graphs_in_the_warm
     assert main(tiny_run_args(shards, tmp_path, "run", *flags)) == 0
     assert "graph break" not in capsys.readouterr().err
     assert counter.frame_count == after_warm_up[0] > 0  # nothing compiled in the timed steps
+
+
+def test_a_micro_batch_with_more_distinct_tokens_than_columns_gets_a_notice(tmp_path, shards, capsys):
+    import glob
+    from train_gpt2 import load_shard
+    first = load_shard(sorted(glob.glob(shards[0]))[0], 256)[:2 * 32]  # the first micro-batch: 2 rows of 32
+    distinct = len(set(first.tolist()))
+    assert 16 < distinct <= 64
+    for columns, warned in ((16, True), (64, False)):
+        flags = ("--sampled_softmax", str(columns), "--sampled_softmax_iters", "2", "--num_iterations", "2",
+                 "--warmup_iters", "0", "--warmdown_iters", "1")
+        assert main(tiny_run_args(shards, tmp_path, f"k{columns}", *flags)) == 0
+        captured = capsys.readouterr()
+        assert f"the first micro-batch's {distinct} distinct tokens" in captured.out
+        notice = (f"notice: --sampled_softmax 16: the first micro-batch holds {distinct} distinct tokens, more than "
+                  "the columns, so the positions whose target is left out are not trained on")
+        assert (notice in captured.err) == warned
 
 
 def test_sampled_softmax_flags_explain_themselves(tmp_path, shards, capsys):
