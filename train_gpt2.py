@@ -1963,6 +1963,13 @@ def local_window_at(step: int, args, config: GPTConfig) -> int:
     return doubling_at(step, args.window_start, config.window, args.window_iters)
 
 
+def micro_batch_seed(seed: int, step: int, micro_step: int, rank: int = 0) -> int:
+    """The seed of a micro-batch's random draws (LayerDrop's, the sampled softmax's): a function of nothing but
+    the run's seed, the step, the micro-batch and the process, so a resumed run draws what the uninterrupted one
+    drew."""
+    return seed * 1_000_003 + step * 1_009 + micro_step + rank * 1_000_000_007
+
+
 def softmax_columns_at(step: int, args) -> int:
     """The training softmax's columns at `step`: --sampled_softmax's until --sampled_softmax_iters, then 0
     (the full vocabulary)."""
@@ -1975,8 +1982,7 @@ def softmax_sample(step: int, micro_step: int, args, vocab: int, env) -> Softmax
     columns = softmax_columns_at(step, args)
     if not columns:
         return None
-    generator = torch.Generator(env.device).manual_seed(
-        ((args.seed * 1_000_003 + step) * 1_009 + micro_step) * 1_013 + env.rank)
+    generator = torch.Generator(env.device).manual_seed(micro_batch_seed(args.seed, step, micro_step, env.rank))
     return SoftmaxSample(columns, torch.rand(vocab, generator=generator, device=env.device))
 
 
@@ -2003,7 +2009,7 @@ def blocks_to_drop(step: int, micro_step: int, args, n_layer: int) -> tuple[int,
     p = layerdrop_at(step, args)
     if p == 0:
         return ()
-    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1_009 + micro_step)
+    generator = torch.Generator().manual_seed(micro_batch_seed(args.seed, step, micro_step))
     draws = torch.rand(n_layer, generator=generator)
     return tuple(i for i in range(1, n_layer) if draws[i] < p)
 
@@ -2617,8 +2623,9 @@ def setup_run(args) -> Run:
 def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
     """Optimizer step number step + 1 over the run's micro-batches at `scale` × each group's peak learning rate,
     with the batch ramp's micro-batches, the curriculum's row length, the window warmup's local window, the
-    extra targets' weights, the sampled softmax and LayerDrop's skipped blocks for that step. Returns the mean next-token loss (a device tensor) and the mean
-    of each auxiliary term the model reports (extra-target and MTP losses, MoE balance and load)."""
+    extra targets' weights, the sampled softmax and LayerDrop's skipped blocks for that step. Returns the mean
+    next-token loss (a device tensor) and the mean of each auxiliary term the model reports (extra-target and
+    MTP losses, MoE balance and load)."""
     step_loss = torch.zeros((), device=run.env.device)
     aux_means: dict[str, torch.Tensor] = {}
     rows = row_length_at(step, run.args)
@@ -2682,11 +2689,13 @@ def graph_breaks() -> int:
 def warm_up_steps(args, config: GPTConfig) -> list[int]:
     """The steps the compile warm-up runs: three at step 0, and three more at the first step of each later
     stage of the curriculum or the window warmup, and at the sampled softmax's end (each row length, window
-    and softmax is a graph of its own)."""
+    and softmax is a graph of its own), among the steps the run can train (its schedule and any overtime)."""
     def shape(step):
         return row_length_at(step, args), local_window_at(step, args, config), softmax_columns_at(step, args)
+    trainable = args.num_iterations + (args.overtime_steps if overtime_applies(args) else 0)
+    last_change = max(args.curriculum_iters, args.window_iters, args.sampled_softmax_iters)
     steps = [0]
-    for step in range(1, max(args.curriculum_iters, args.window_iters, args.sampled_softmax_iters) + 1):
+    for step in range(1, min(last_change, trainable - 1) + 1):
         if shape(step) != shape(step - 1):
             steps.append(step)
     return [step for step in steps for _ in range(3)]

@@ -184,6 +184,15 @@ def test_the_sampled_softmax_lasts_its_steps_and_draws_by_seed_step_and_micro_ba
     args = parse("--sampled_softmax", "32", "--sampled_softmax_iters", "50")
     assert [softmax_columns_at(step, args) for step in (0, 49, 50, 999)] == [32, 32, 0, 0]
     assert warm_up_steps(args, VARIANTS["d12"]) == [0, 0, 0, 50, 50, 50]  # the full softmax is a graph of its own
+    # A sample that lasts the whole run (d12_fast's: schedule and overtime) never meets the full softmax in
+    # training, so its graph is not built.
+    whole = parse("--sampled_softmax", "32", "--sampled_softmax_iters", "300", "--num_iterations", "300")
+    assert warm_up_steps(whole, VARIANTS["d12"]) == [0, 0, 0]
+    overtime = ("--overtime_steps", "100", "--lr_floor", "0.1")
+    assert warm_up_steps(parse(*overtime, "--sampled_softmax", "32", "--sampled_softmax_iters", "400",
+                               "--num_iterations", "300"), VARIANTS["d12"]) == [0, 0, 0]
+    assert warm_up_steps(parse(*overtime, "--sampled_softmax", "32", "--sampled_softmax_iters", "300",
+                               "--num_iterations", "300"), VARIANTS["d12"]) == [0, 0, 0, 300, 300, 300]
     env = SimpleNamespace(device=torch.device("cpu"), rank=0)
     first = softmax_sample(7, 1, args, 256, env)
     assert first.columns == 32 and first.draws.shape == (256,)
