@@ -29,8 +29,8 @@ from torch.autograd import DeviceType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from train_gpt2 import (COMPILE_MODES, GPT, MLP, Block, CausalSelfAttention, InputError, LatentAttention,  # noqa: E402
-                        MoE, Norm, TokenLoader, add_model_flags, configure_compile, make_optimizer, parse_args,
-                        pick_device, report_input_errors, resolve_model_config, synchronize)
+                        MoE, Norm, SoftmaxSample, TokenLoader, add_model_flags, configure_compile, make_optimizer,
+                        parse_args, pick_device, report_input_errors, resolve_model_config, synchronize)
 
 PARTS = ("embedding", "attention projections", "attention core", "MLP / MoE", "norms", "head + loss",
          "residual adds & other", "optimizer", "data loading")
@@ -110,6 +110,10 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
     recipe = parse_args(["--model", args.model])
     compile_options = configure_compile(recipe.coordinate_descent_tuning, args.compile_mode) if args.compile else None
     optimizer = make_optimizer(model, recipe, device, compile_options)
+    # The head the model trains with: its recipe's sampled softmax unless --sampled_softmax says otherwise (as
+    # in the trainer, a recipe's columns that span a smaller vocabulary leave it the full softmax).
+    columns = recipe.sampled_softmax if args.sampled_softmax is None else args.sampled_softmax
+    columns = columns if columns < config.vocab_size else 0
     B, T = args.batch_size, args.sequence_length
     if args.input_bin:
         loader = TokenLoader(args.input_bin, B, T, 0, 1, config.vocab_size, device)
@@ -135,8 +139,9 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
             t0 = time.perf_counter()
             x, y = next_batch()
             charge("data loading", t0)
+            sample = SoftmaxSample(columns, torch.rand(config.vocab_size, device=device)) if columns else None
             with autocast:
-                _, loss, _ = forward(x, y, return_logits=False)
+                _, loss, _ = forward(x, y, return_logits=False, sampled_softmax=sample)
             (loss / args.grad_accumulation_steps).backward()
         if timer is not None:
             synchronize(device)
@@ -222,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync_each_step", action="store_true",
                    help="wait for the device after every step, as the trainer's step timer does (otherwise the host "
                         "queues the next step while the device runs this one): the difference is what that costs")
+    p.add_argument("--sampled_softmax", type=int, default=None,
+                   help="columns of the training softmax, as the trainer's flag (0: the full vocabulary; default: "
+                        "the model's recipe's)")
     p.add_argument("--input_bin", default=None, help="read real shards (default: random tokens)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model and Muon's update as the trainer does on a GPU; prints the kernel "
@@ -240,6 +248,9 @@ def main(argv=None) -> int:
     def run() -> int:
         if args.steps < 1 or args.warmup < 0 or args.kernels < 0:
             raise InputError("--steps must be >= 1, --warmup and --kernels >= 0")
+        if args.sampled_softmax is not None and not 0 <= args.sampled_softmax < resolve_model_config(args).vocab_size:
+            raise InputError(f"--sampled_softmax {args.sampled_softmax}: give 0 (the full softmax) or fewer columns "
+                             "than the vocabulary")
         if args.compile and args.warmup < 1:
             raise InputError("--compile needs --warmup >= 1: the first step compiles, and must not be timed")
         if args.trace and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):

@@ -142,6 +142,27 @@ def test_the_step_uses_the_models_own_optimizer(monkeypatch):
     assert steps[0] == ["AdamW"] and steps[-1] == ["BatchedMuon", "AdamW"]  # tiny: NoCap's; d12_fast: its recipe's
 
 
+def test_the_step_uses_the_recipes_head_unless_told(monkeypatch):
+    import train_gpt2
+    heads = []
+    forward = train_gpt2.GPT.forward
+
+    def recording_forward(self, *args, sampled_softmax=None, **kwargs):
+        heads.append(None if sampled_softmax is None else (sampled_softmax.columns, sampled_softmax.draws.numel()))
+        return forward(self, *args, sampled_softmax=sampled_softmax, **kwargs)
+
+    monkeypatch.setattr(train_gpt2.GPT, "forward", recording_forward)
+    small = ("--model", "d12_fast", "--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32")
+    monkeypatch.setitem(train_gpt2.RECIPES["d12_fast"], "sampled_softmax", 300)
+    expected = {(): None,  # the recipe's 300 columns span the 256-token vocabulary: the full softmax
+                ("--sampled_softmax", "0"): None, ("--sampled_softmax", "100"): (100, 256),
+                ("--vocab_size", "1024"): (300, 1024)}
+    for extra, head in expected.items():
+        heads.clear()
+        profile_model.profile(args_for(*small, "--kernels", "0", *extra))
+        assert heads == [head] * 3  # every micro-batch of the warm-up and the timed steps
+
+
 def test_bad_input_is_one_line(tmp_path, capsys):
     assert profile_model.main(["--model", "tiny", "--device", "cpu", "--input_bin", str(tmp_path / "no*.bin")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -149,6 +170,9 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert profile_model.main(["--model", "tiny", "--device", "cpu", "--compile", "--warmup", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--compile needs --warmup >= 1" in err[0]
+    assert profile_model.main(["--model", "tiny", "--device", "cpu", "--sampled_softmax", "50257"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--sampled_softmax 50257: give 0" in err[0]
 
 
 def test_a_trace_into_a_missing_folder_is_refused_before_profiling(tmp_path, capsys):
