@@ -116,16 +116,21 @@ def test_head_cross_entropy_in_fp8_takes_the_logits_product_in_fp8_and_tracks_bf
     assert grads8[0].dtype == h.dtype and grads8[1].dtype == w.dtype and grads8[1].shape == w.shape
 
 
+def _plain_and_fused(**overrides) -> tuple[GPT, GPT, torch.Tensor]:
+    """The same seeded weights as a plain head and a fused one, and a batch of tokens for them."""
+    torch.manual_seed(0)
+    config = with_overrides(TINY, logit_softcap=15.0, **overrides)
+    plain, fused = GPT(config), GPT(with_overrides(config, fused_head_loss=True))
+    fused.load_state_dict(plain.state_dict())
+    return plain, fused, torch.randint(0, config.vocab_size, (2, 16))
+
+
 def test_fused_head_loss_trains_like_the_plain_head_and_only_where_a_gradient_is_built(monkeypatch):
     import train_gpt2
     calls = []
     apply = train_gpt2.HeadCrossEntropy.apply
     monkeypatch.setattr(train_gpt2.HeadCrossEntropy, "apply", lambda *a: calls.append(a[6]) or apply(*a))
-    torch.manual_seed(0)
-    config = with_overrides(TINY, logit_softcap=15.0, mtp_k=1)
-    plain, fused = GPT(config), GPT(with_overrides(config, fused_head_loss=True))
-    fused.load_state_dict(plain.state_dict())
-    idx = torch.randint(0, config.vocab_size, (2, 16))
+    plain, fused, idx = _plain_and_fused(mtp_k=1)
     targets = idx.roll(-1, dims=1)
     for model in (plain, fused):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -143,7 +148,7 @@ def test_fused_head_loss_trains_like_the_plain_head_and_only_where_a_gradient_is
     # With the FP8 head the fused loss takes its FP8 form in training where the device has FP8 and the
     # shapes suit torch._scaled_mm: the next-token loss's 32 tokens do, the MTP loss's 30 (not a multiple
     # of 16) do not.
-    GPT(with_overrides(config, fused_head_loss=True, fp8_head=True))(idx, targets, return_logits=False)
+    GPT(with_overrides(fused.config, fp8_head=True))(idx, targets, return_logits=False)
     assert calls[3:] == [True, False]
 
 
@@ -199,11 +204,7 @@ def test_extra_targets_score_the_next_tokens_logits_against_later_tokens_in_trai
 
 
 def test_fused_extra_targets_match_the_plain_head_and_fade_to_next_token_prediction():
-    torch.manual_seed(0)
-    config = with_overrides(TINY, vocab_size=64, logit_softcap=15.0)
-    plain, fused = GPT(config), GPT(with_overrides(config, fused_head_loss=True))
-    fused.load_state_dict(plain.state_dict())
-    idx = torch.randint(0, 64, (2, 16))
+    plain, fused, idx = _plain_and_fused(vocab_size=64)
     targets = idx.roll(-1, dims=1)
 
     def grads(model, weights):
@@ -295,11 +296,7 @@ def test_a_sampled_softmax_scores_its_columns_with_their_bias_in_training_only(f
 
 
 def test_the_fused_sampled_softmax_matches_the_plain_head():
-    torch.manual_seed(0)
-    config = with_overrides(TINY, vocab_size=64, logit_softcap=15.0)
-    plain, fused = GPT(config), GPT(with_overrides(config, fused_head_loss=True))
-    fused.load_state_dict(plain.state_dict())
-    idx = torch.randint(0, 64, (2, 16))
+    plain, fused, idx = _plain_and_fused(vocab_size=64)
     sample = SoftmaxSample(40, torch.rand(64))
 
     def grads(model):
