@@ -29,8 +29,9 @@ from torch.autograd import DeviceType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from train_gpt2 import (COMPILE_MODES, GPT, MLP, Block, CausalSelfAttention, InputError, LatentAttention,  # noqa: E402
-                        MoE, Norm, SoftmaxSample, TokenLoader, add_model_flags, configure_compile, make_optimizer,
-                        parse_args, pick_device, report_input_errors, resolve_model_config, synchronize)
+                        MoE, Norm, SoftmaxSample, TokenLoader, add_model_flags, check_sampled_softmax,
+                        configure_compile, make_optimizer, parse_args, pick_device, report_input_errors,
+                        resolve_model_config, synchronize)
 
 PARTS = ("embedding", "attention projections", "attention core", "MLP / MoE", "norms", "head + loss",
          "residual adds & other", "optimizer", "data loading")
@@ -110,10 +111,12 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
     recipe = parse_args(["--model", args.model])
     compile_options = configure_compile(recipe.coordinate_descent_tuning, args.compile_mode) if args.compile else None
     optimizer = make_optimizer(model, recipe, device, compile_options)
-    # The head the model trains with: its recipe's sampled softmax unless --sampled_softmax says otherwise (as
-    # in the trainer, a recipe's columns that span a smaller vocabulary leave it the full softmax).
-    columns = recipe.sampled_softmax if args.sampled_softmax is None else args.sampled_softmax
-    columns = columns if columns < config.vocab_size else 0
+    # The head the model trains with: its recipe's sampled softmax unless --sampled_softmax says otherwise, checked
+    # as the trainer checks it (columns that span the vocabulary leave the full softmax).
+    if args.sampled_softmax is not None:
+        recipe.sampled_softmax, recipe.sampled_softmax_iters = args.sampled_softmax, int(args.sampled_softmax > 0)
+    check_sampled_softmax(recipe, config)
+    columns = recipe.sampled_softmax
     B, T = args.batch_size, args.sequence_length
     if args.input_bin:
         loader = TokenLoader(args.input_bin, B, T, 0, 1, config.vocab_size, device)
@@ -248,9 +251,6 @@ def main(argv=None) -> int:
     def run() -> int:
         if args.steps < 1 or args.warmup < 0 or args.kernels < 0:
             raise InputError("--steps must be >= 1, --warmup and --kernels >= 0")
-        if args.sampled_softmax is not None and not 0 <= args.sampled_softmax < resolve_model_config(args).vocab_size:
-            raise InputError(f"--sampled_softmax {args.sampled_softmax}: give 0 (the full softmax) or fewer columns "
-                             "than the vocabulary")
         if args.compile and args.warmup < 1:
             raise InputError("--compile needs --warmup >= 1: the first step compiles, and must not be timed")
         if args.trace and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):

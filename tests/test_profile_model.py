@@ -156,6 +156,7 @@ def test_the_step_uses_the_recipes_head_unless_told(monkeypatch):
     monkeypatch.setitem(train_gpt2.RECIPES["d12_fast"], "sampled_softmax", 300)
     expected = {(): None,  # the recipe's 300 columns span the 256-token vocabulary: the full softmax
                 ("--sampled_softmax", "0"): None, ("--sampled_softmax", "100"): (100, 256),
+                ("--sampled_softmax", "256"): None,  # the whole vocabulary: the full softmax, as in the trainer
                 ("--vocab_size", "1024"): (300, 1024)}
     for extra, head in expected.items():
         heads.clear()
@@ -170,9 +171,9 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert profile_model.main(["--model", "tiny", "--device", "cpu", "--compile", "--warmup", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--compile needs --warmup >= 1" in err[0]
-    assert profile_model.main(["--model", "tiny", "--device", "cpu", "--sampled_softmax", "50257"]) == 2
+    assert profile_model.main(["--model", "tiny", "--device", "cpu", "--sampled_softmax", "-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--sampled_softmax 50257: give 0" in err[0]
+    assert len(err) == 1 and "--sampled_softmax -1: pass how many columns" in err[0]
 
 
 def test_a_trace_into_a_missing_folder_is_refused_before_profiling(tmp_path, capsys):
