@@ -20,9 +20,17 @@ if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED_DATA / "tiktoken").is_dir(
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED_DATA / "tiktoken")
 
 from model_variants import GPTConfig  # noqa: E402
+import train_gpt2  # noqa: E402
 from train_gpt2 import write_shard  # noqa: E402
 
 SMALL_VOCAB = 256  # synthetic runs override vocab_size so the lm_head stays cheap
+
+
+@pytest.fixture(autouse=True)
+def fresh_notices():
+    """Each test starts with no notice shown: the trainer shows each once per process, and a test that checks
+    one must not depend on which tests ran before it."""
+    train_gpt2._notices_shown.clear()
 
 
 def make_shards(directory: Path, n_train: int = 2, train_tokens: int = 20_000, val_tokens: int = 9_000,

@@ -114,8 +114,6 @@ def test_chunked_local_layers_train_through_sdpa_and_match_manual(T):
 
 
 def test_sdpa_with_a_window_falls_back_with_one_notice(capsys):
-    import train_gpt2
-    train_gpt2._notices_shown.clear()
     q = torch.randn(1, 2, 8, 4)
     for _ in range(3):
         causal_attention(q, q, q, "sdpa", window=3)
@@ -126,8 +124,6 @@ def test_sdpa_with_a_window_falls_back_with_one_notice(capsys):
 def test_a_notice_inside_a_compiled_forward_neither_splits_it_nor_goes_missing(capsys):
     # Fallback notices are printed inside the model. Traced as a print, one split d12_flash's compiled
     # step (61.7 instead of ~35 ms per step on an H100); now it runs while dynamo traces, outside the graph.
-    import train_gpt2
-    train_gpt2._notices_shown.clear()
     q = torch.randn(1, 2, 8, 4)
     explanation = torch._dynamo.explain(lambda t: causal_attention(t, t, t, "sdpa", window=3) * 2)(q)
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)

@@ -90,8 +90,6 @@ def test_train_walk_is_nocaps_order(tmp_path, rank, world):
 
 
 def test_starting_over_after_the_last_shard_is_said_once(tmp_path, capsys):
-    import train_gpt2
-    train_gpt2._notices_shown.clear()
     train_glob, _ = make_shards(tmp_path, n_train=2, train_tokens=1000)
     loader = TokenLoader(train_glob, 3, 16, 0, 1, 256, CPU)
     per_shard = (1000 - 1) // (3 * 16)  # windows before the loader moves on
