@@ -56,6 +56,9 @@ NOCAP_VAL_TOKENS = 1_048_576  # fixed so that every run is scored on exactly the
 NOCAP_VAL_ROW = 1024  # NoCap's validation rows: 64 batches of 16 x 1024
 OPTIMIZERS = ("adamw", "adamw8bit", "lion", "muon")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # torch.compile modes without CUDA graphs
+# --sampled_softmax_draws frequency counts tokens in this much training data (one FineWeb shard): any token more
+# frequent than one in a million is counted ~100 times.
+FREQUENCY_COUNT_TOKENS = 100_000_000
 
 
 def _parse_bool(text: str) -> bool:
@@ -182,13 +185,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sampled_softmax", type=int, default=0,
                    help="a training-only sampled softmax of K columns: for the first --sampled_softmax_iters "
                         "steps the head scores each micro-batch against every token that is one of its targets "
-                        "plus uniformly drawn others up to K (each drawn column standing in, by a log-weight on "
-                        "its logit, for its share of those left out), so the head's products shrink to K / "
-                        "vocab of theirs. The logged training loss is then that softmax's estimate; evaluation "
+                        "plus others drawn up to K (--sampled_softmax_draws; each drawn column standing in, by a "
+                        "log-weight on its logit, for its share of those left out), so the head's products shrink "
+                        "to K / vocab of theirs. The logged training loss is then that softmax's estimate; evaluation "
                         "always scores the full softmax. 0: off")
     g.add_argument("--sampled_softmax_iters", type=int, default=0,
                    help="steps the sampled softmax lasts (d12_fast: the whole schedule and its overtime); the "
                         "full softmax trains after them")
+    g.add_argument("--sampled_softmax_draws", choices=("uniform", "frequency"), default="uniform",
+                   help="how the sampled softmax draws the columns that are no target: uniform, or in proportion "
+                        "to each token's count (plus one) in the training data's first "
+                        f"{FREQUENCY_COUNT_TOKENS // 1_000_000}M tokens, each drawn column then standing in for "
+                        "its own share of those left out (priority sampling): fewer draws go to tokens the "
+                        "model gives almost no probability")
     g.add_argument("--weight_decay", type=float, default=0.1,
                    help="decoupled weight decay of every parameter (--optimizer muon: but the gains and mixing "
                         "scalars, and of Muon's matrices only without --cautious_weight_decay)")
@@ -861,10 +870,12 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class SoftmaxSample(NamedTuple):
     """A training softmax over `columns` columns of the vocabulary instead of all of them (a sampled softmax):
-    every token that is a target of the micro-batch, and as many others as are left, drawn uniformly. `draws`
-    (vocab,), uniform on [0, 1), decide which others."""
+    every token that is a target of the micro-batch, and as many others as are left, drawn uniformly or, with
+    `log_weights` (vocab,), in proportion to exp(log_weights). `draws` (vocab,), uniform on [0, 1), decide
+    which others."""
     columns: int
     draws: torch.Tensor
+    log_weights: torch.Tensor | None = None
 
 
 def sampled_softmax_columns(targets: torch.Tensor, sample: SoftmaxSample, vocab: int
@@ -872,19 +883,35 @@ def sampled_softmax_columns(targets: torch.Tensor, sample: SoftmaxSample, vocab:
     """The columns a sampled softmax scores (K,), the bias each one's logit gets (K,), and the targets (any
     shape, -1 ignored) as positions among the columns.
     The normalizer sums every target's column exactly, and stands in for the V - U tokens that are no target
-    by the K - U drawn ones, each weighted (V - U) / (K - U), i.e. a bias of the log of that: its expectation
-    is the full softmax's normalizer, so the loss estimates the full one (from slightly below: the log of an
-    average is at most the average of the logs). A micro-batch with more than K distinct targets keeps K of
-    them, drawn uniformly, and ignores the positions whose target it left out. The columns are the top K of
-    2 x (is a target) + draw, so every shape is fixed and the step compiles to one graph."""
+    by the K - U drawn ones, each weighted by the inverse of its chance of being drawn, i.e. a bias of the log
+    of that: its expectation is the full softmax's normalizer, so the loss estimates the full one (from
+    slightly below: the log of an average is at most the average of the logs).
+    Uniform draws weight each drawn column (V - U) / (K - U). Weighted draws are priority sampling (Duffield,
+    Lund and Thorup): token j's priority is w_j / u_j with u_j uniform on (0, 1], the K - U highest are drawn,
+    and with tau the next priority, j was drawn with chance min(1, w_j / tau) given the others' priorities, so
+    it is weighted max(1, tau / w_j). Where w follows how much probability the model gives each token, the
+    tokens it makes likely are drawn for sure and weighted 1, and the estimate is far less noisy.
+    A micro-batch with more than K distinct targets keeps K of them, drawn uniformly, and ignores the positions
+    whose target it left out. The columns are the top K of a key that ranks every target above every other
+    token, so every shape is fixed and the step compiles to one graph."""
     K = sample.columns
     flat = targets.reshape(-1)
     slot = torch.where(flat >= 0, flat, vocab)  # the ignored targets mark a spare slot
     is_target = torch.zeros(vocab + 1, device=flat.device).scatter_(0, slot, 1.0)[:vocab]
-    columns = (2 * is_target + sample.draws[:vocab]).topk(K, sorted=False).indices
-    n_targets = is_target.sum()
-    drawn_weight = (vocab - n_targets) / (K - n_targets).clamp(min=1)
-    bias = torch.where(is_target[columns] > 0, 0.0, drawn_weight.log())
+    draws = sample.draws[:vocab]
+    if sample.log_weights is None:
+        columns = (2 * is_target + draws).topk(K, sorted=False).indices
+        n_targets = is_target.sum()
+        drawn_log_weight = ((vocab - n_targets) / (K - n_targets).clamp(min=1)).log()
+    else:
+        log_weights = sample.log_weights[:vocab]
+        # log priority, at most ~40 for counts below 1e9 and u >= 2^-24; a target's key is above any of them
+        keys = torch.where(is_target > 0, 1e4 + draws, log_weights - torch.log1p(-draws))
+        top = keys.topk(K + 1)
+        columns = top.indices[:K]
+        # tau: the first priority not drawn (a target's key where the targets fill the columns: nothing drawn)
+        drawn_log_weight = (top.values[K] - log_weights[columns]).clamp(min=0)
+    bias = torch.where(is_target[columns] > 0, 0.0, drawn_log_weight)
     position = torch.full((vocab + 1,), -1, device=flat.device).scatter_(
         0, columns, torch.arange(K, device=flat.device))
     return columns, bias, position[slot].view_as(targets)
@@ -1428,6 +1455,19 @@ class TokenLoader:
         lengths of its documents), not a batch; the walk does not move."""
         rows = min(n, self.shard_tokens[self.shard] // self.T)
         return torch.from_numpy(self.tokens[: rows * self.T].astype(np.int64)).view(rows, self.T)
+
+    def token_counts(self, n_tokens: int) -> np.ndarray:
+        """How often each token id occurs in the first n_tokens of the shards, in the walk's order (vocab_size,):
+        the same counts on every process and wherever its walk is."""
+        counts = np.zeros(self.vocab_size, dtype=np.int64)
+        for path, shard_tokens in zip(self.files, self.shard_tokens):
+            take = min(shard_tokens, n_tokens)
+            tokens = np.memmap(path, np.uint16, "r", HEADER_BYTES, (take,))
+            counts += np.bincount(tokens, minlength=self.vocab_size)[:self.vocab_size]
+            n_tokens -= take
+            if not n_tokens:
+                break
+        return counts
 
     def skip(self, n_batches: int):
         shard, position = self.shard, self.position
@@ -1976,14 +2016,26 @@ def softmax_columns_at(step: int, args) -> int:
     return args.sampled_softmax if step < args.sampled_softmax_iters else 0
 
 
-def softmax_sample(step: int, micro_step: int, args, vocab: int, env) -> SoftmaxSample | None:
-    """The sampled softmax of a micro-batch at `step`, or None for the full softmax. The draws depend only on
-    (seed, step, micro_step, rank), so a resumed run draws what the uninterrupted one drew."""
+def softmax_sample(step: int, micro_step: int, args, vocab: int, env, log_weights: torch.Tensor | None = None
+                   ) -> SoftmaxSample | None:
+    """The sampled softmax of a micro-batch at `step`, or None for the full softmax; log_weights: the draws'
+    (draw_log_weights), None for uniform draws. The draws depend only on (seed, step, micro_step, rank), so a
+    resumed run draws what the uninterrupted one drew."""
     columns = softmax_columns_at(step, args)
     if not columns:
         return None
     generator = torch.Generator(env.device).manual_seed(micro_batch_seed(args.seed, step, micro_step, env.rank))
-    return SoftmaxSample(columns, torch.rand(vocab, generator=generator, device=env.device))
+    return SoftmaxSample(columns, torch.rand(vocab, generator=generator, device=env.device), log_weights)
+
+
+def draw_log_weights(args, loader: "TokenLoader") -> torch.Tensor | None:
+    """The log-weights of --sampled_softmax_draws frequency: log(1 + each token's count in the training data's
+    first FREQUENCY_COUNT_TOKENS tokens), the same on every process and after a resume; None for uniform draws
+    or without a sampled softmax."""
+    if not args.sampled_softmax or args.sampled_softmax_draws == "uniform":
+        return None
+    counts = loader.token_counts(FREQUENCY_COUNT_TOKENS)
+    return torch.from_numpy(np.log1p(counts)).float().to(loader.device)
 
 
 def layerdrop_at(step: int, args) -> float:
@@ -2479,6 +2531,7 @@ class Run:
     compiled: bool
     average: WeightAverage | None  # --ema_decay's average of the weights; None without it
     nocap_val: ValidationSet | None = None  # val's tokens in NoCap's 1024-token rows, where val's rows are longer
+    draw_log_weights: torch.Tensor | None = None  # the sampled softmax's weighted draws (draw_log_weights)
     start_step: int = 0
     train_time_s: float = 0.0  # optimizer steps only, carried over a resume
     evaluated_at_start: bool = False  # the checkpoint resumed from was taken right after an evaluation
@@ -2505,8 +2558,8 @@ def report_sampled_softmax(args, config: GPTConfig, loader: TokenLoader, log: Ru
     targets): where they outnumber the columns, the positions of the targets left out go untrained."""
     K = args.sampled_softmax
     distinct = len(torch.unique(loader.sample_rows(loader.B)))
-    log.print(f"sampled softmax: {K:,} of {config.vocab_size:,} columns for the first {args.sampled_softmax_iters:,} "
-              f"steps, against the first micro-batch's {distinct:,} distinct tokens; their logged training loss is "
+    log.print(f"sampled softmax: {K:,} of {config.vocab_size:,} columns ({args.sampled_softmax_draws} draws) for the "
+              f"first {args.sampled_softmax_iters:,} steps, against the first micro-batch's {distinct:,} distinct tokens; their logged training loss is "
               "that softmax's estimate of the full one (evaluation always scores the full softmax)")
     if distinct > K:
         notice(f"--sampled_softmax {K}: the first micro-batch holds {distinct:,} distinct tokens, more than the "
@@ -2599,7 +2652,8 @@ def setup_run(args) -> Run:
     # NoCap: bf16 autocast on CUDA; CPU runs stay in fp32 so tests are exact.
     autocast_ctx = precision(env.device, "bf16" if env.device.type == "cuda" else "fp32")
     run = Run(args, env, config, run_dir, raw_model, model, eval_model, optimizer, train_loader, val, log,
-              autocast_ctx, accumulation, layout, compiled, average, nocap_val=nocap_val, **resumed)
+              autocast_ctx, accumulation, layout, compiled, average, nocap_val=nocap_val,
+              draw_log_weights=draw_log_weights(args, train_loader), **resumed)
 
     log.write_json("config.json", dict(
         args=vars(args), model_config=asdict(config), run_dir=run_dir, git_sha=git_sha(),
@@ -2639,7 +2693,7 @@ def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
         if rows != x.size(1):  # the same tokens in the same order as (B * T / rows, rows)
             x, y = x.reshape(-1, rows), y.reshape(-1, rows)
         drop = blocks_to_drop(step, micro_step, run.args, run.config.n_layer)
-        sample = softmax_sample(step, micro_step, run.args, run.config.vocab_size, run.env)
+        sample = softmax_sample(step, micro_step, run.args, run.config.vocab_size, run.env, run.draw_log_weights)
         # DDP all-reduces gradients only on the last micro-batch.
         last = micro_step == accumulation - 1
         sync = contextlib.nullcontext() if run.env.world_size == 1 or last else run.model.no_sync()

@@ -270,6 +270,47 @@ def test_the_sampled_normalizer_averages_to_the_full_softmaxs():
     assert torch.stack(estimates).mean() == pytest.approx(z.exp().sum(), rel=0.02)
 
 
+def test_weighted_draws_take_the_highest_priorities_and_weight_each_by_its_chance():
+    torch.manual_seed(0)
+    V, K = 64, 24
+    targets = torch.randint(0, 20, (2, 8))
+    in_batch = set(targets.flatten().tolist())
+    draws, log_weights = torch.rand(V), torch.randn(V) * 3
+    columns, bias, positions = sampled_softmax_columns(targets, SoftmaxSample(K, draws, log_weights), V)
+    priority = {c: log_weights[c].item() - math.log(1 - draws[c].item()) for c in set(range(V)) - in_batch}
+    ranked = sorted(priority, key=lambda c: -priority[c])
+    drawn = ranked[:K - len(in_batch)]
+    assert set(columns.tolist()) == in_batch | set(drawn)
+    log_tau = priority[ranked[K - len(in_batch)]]  # the first priority left out
+    torch.testing.assert_close(bias, torch.tensor([0.0 if c in in_batch else max(0.0, log_tau - log_weights[c].item())
+                                                   for c in columns.tolist()]))
+    assert (bias == 0).sum() > len(in_batch)  # the heaviest tokens are drawn for sure, standing in for themselves
+    assert torch.equal(columns[positions], targets)
+    # More targets than columns: targets only, as with uniform draws.
+    many = torch.arange(12).repeat(2)[None]
+    columns, bias, positions = sampled_softmax_columns(many, SoftmaxSample(8, torch.rand(32), torch.randn(32)), 32)
+    assert set(columns.tolist()) < set(range(12)) and not bias.any() and (positions >= 0).sum() == 16
+
+
+def test_weighted_draws_estimate_the_normalizer_without_bias_and_with_less_noise_where_the_weights_fit():
+    g = torch.Generator().manual_seed(0)
+    V, K = 256, 40
+    z = torch.randn(V, generator=g, dtype=torch.float64) * 2  # a model far from uniform over the vocabulary
+    targets = torch.randint(0, 20, (16,), generator=g)
+    full = z.exp().sum()
+
+    def estimates(log_weights):
+        out = []
+        for _ in range(4000):
+            sample = SoftmaxSample(K, torch.rand(V, generator=g), log_weights)
+            columns, bias, _ = sampled_softmax_columns(targets, sample, V)
+            out.append((z[columns] + bias).exp().sum())
+        return torch.stack(out)
+    uniform, fitted = estimates(None), estimates(z.float())
+    assert fitted.mean() == pytest.approx(full, rel=0.02) and uniform.mean() == pytest.approx(full, rel=0.05)
+    assert fitted.std() < uniform.std() / 4
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_sampled_softmax_scores_its_columns_with_their_bias_in_training_only(fused):
     torch.manual_seed(0)

@@ -5,9 +5,11 @@ then computes, and its flags' errors."""
 import json
 from argparse import Namespace
 
+import numpy as np
 import pytest
 import torch
 
+import train_gpt2
 from conftest import count_compiles, read_metrics, tiny_run_args
 from model_variants import TINY, VARIANTS, with_overrides
 from train_gpt2 import (GPT, accumulation_at, build_parser, extra_target_weights_at, local_window_at, main,
@@ -218,17 +220,45 @@ def test_a_sampled_softmax_run_samples_for_its_steps_and_says_what_its_training_
     assert main(tiny_run_args(shards, tmp_path, "run", "--sampled_softmax", "64", "--sampled_softmax_iters", "4")) == 0
     out = capsys.readouterr().out
     assert seen == [64] * 8 + [None] * 4  # 6 steps of 2 micro-batches, the last two on the full softmax
-    assert "sampled softmax: 64 of 256 columns for the first 4 steps, against the first micro-batch's " in out
+    assert ("sampled softmax: 64 of 256 columns (uniform draws) for the first 4 steps, against the first "
+            "micro-batch's ") in out
     assert ("distinct tokens; their logged training loss is that softmax's estimate of the full one (evaluation "
             "always scores the full softmax)") in out
     steps = [r for r in read_metrics(tmp_path / "run") if "train_loss" in r]
     assert len(steps) == 6 and all(0 < r["train_loss"] < 10 for r in steps)
 
 
+def test_frequency_draws_weigh_each_token_by_its_count_in_the_first_training_tokens(tmp_path, shards, capsys,
+                                                                                    monkeypatch):
+    import glob
+    from train_gpt2 import load_shard
+    weights = []
+    forward = GPT.forward
+
+    def recording_forward(self, idx, targets=None, **kwargs):
+        if self.training:
+            weights.append(kwargs["sampled_softmax"].log_weights)
+        return forward(self, idx, targets, **kwargs)
+    monkeypatch.setattr(GPT, "forward", recording_forward)
+    monkeypatch.setattr(train_gpt2, "FREQUENCY_COUNT_TOKENS", 25_000)  # the first shard and 5,000 of the second's
+    flags = ("--sampled_softmax", "64", "--sampled_softmax_iters", "6", "--sampled_softmax_draws", "frequency")
+    assert main(tiny_run_args(shards, tmp_path, "run", *flags)) == 0
+    assert "sampled softmax: 64 of 256 columns (frequency draws)" in capsys.readouterr().out
+    first, second = (load_shard(path, 256) for path in sorted(glob.glob(shards[0])))
+    counts = np.bincount(np.concatenate([first, second[:5_000]]), minlength=256)
+    assert len(weights) == 12 and all(w is weights[0] for w in weights)
+    torch.testing.assert_close(weights[0], torch.from_numpy(np.log1p(counts)).float())
+    # The counts do not depend on where the walk is (a resumed run's loader starts further on).
+    loader = train_gpt2.TokenLoader(shards[0], 2, 32, 0, 1, 256, torch.device("cpu"))
+    loader.skip(400)
+    assert loader.shard == 1 and np.array_equal(loader.token_counts(25_000), counts)
+
+
+@pytest.mark.parametrize("draws", ["uniform", "frequency"])
 def test_a_compiled_sampled_softmax_run_builds_both_softmaxes_graphs_in_the_warm_up(tmp_path, shards, capsys,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, draws):
     counter, after_warm_up = count_compiles(monkeypatch)
-    flags = ("--compile", "--sampled_softmax", "64", "--sampled_softmax_iters", "3")
+    flags = ("--compile", "--sampled_softmax", "64", "--sampled_softmax_iters", "3", "--sampled_softmax_draws", draws)
     assert main(tiny_run_args(shards, tmp_path, "run", *flags)) == 0
     assert "graph break" not in capsys.readouterr().err
     assert counter.frame_count == after_warm_up[0] > 0  # nothing compiled in the timed steps
