@@ -30,7 +30,7 @@ from torch.autograd import DeviceType
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from train_gpt2 import (COMPILE_MODES, GPT, MLP, Block, CausalSelfAttention, InputError, LatentAttention,  # noqa: E402
                         MoE, Norm, SoftmaxSample, TokenLoader, add_model_flags, check_sampled_softmax,
-                        configure_compile, make_optimizer, parse_args, pick_device, report_input_errors,
+                        configure_compile, draw_log_weights, make_optimizer, parse_args, pick_device, report_input_errors,
                         resolve_model_config, synchronize)
 
 PARTS = ("embedding", "attention projections", "attention core", "MLP / MoE", "norms", "head + loss",
@@ -125,6 +125,12 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
         def next_batch():
             window = torch.randint(0, config.vocab_size, (B, T + 1), device=device)
             return window[:, :-1], window[:, 1:]
+    # The recipe's draws. Frequency-weighted ones weigh each token by its count in --input_bin's first tokens, or
+    # every token alike on random tokens, which are all equally frequent: the same work either way.
+    log_weights = None
+    if columns and recipe.sampled_softmax_draws == "frequency":
+        log_weights = (draw_log_weights(recipe, loader) if args.input_bin
+                       else torch.zeros(config.vocab_size, device=device))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_cuda)
     timer = None  # the part timer's hooks go in after the profiler pass, which they would only slow
     forward = torch.compile(model, **compile_options) if args.compile else model
@@ -142,7 +148,7 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
             t0 = time.perf_counter()
             x, y = next_batch()
             charge("data loading", t0)
-            sample = SoftmaxSample(columns, torch.rand(config.vocab_size, device=device)) if columns else None
+            sample = SoftmaxSample(columns, torch.rand(config.vocab_size, device=device), log_weights) if columns else None
             with autocast:
                 _, loss, _ = forward(x, y, return_logits=False, sampled_softmax=sample)
             (loss / args.grad_accumulation_steps).backward()

@@ -7,6 +7,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 from torch.autograd import DeviceType
 
 from conftest import REPO
@@ -148,20 +149,28 @@ def test_the_step_uses_the_recipes_head_unless_told(monkeypatch):
     forward = train_gpt2.GPT.forward
 
     def recording_forward(self, *args, sampled_softmax=None, **kwargs):
-        heads.append(None if sampled_softmax is None else (sampled_softmax.columns, sampled_softmax.draws.numel()))
+        heads.append(None if sampled_softmax is None else (sampled_softmax.columns, sampled_softmax.draws.numel(),
+                                                            sampled_softmax.log_weights))
         return forward(self, *args, sampled_softmax=sampled_softmax, **kwargs)
 
     monkeypatch.setattr(train_gpt2.GPT, "forward", recording_forward)
     small = ("--model", "d12_fast", "--n_layer", "2", "--n_embd", "64", "--n_head", "2", "--block_size", "32")
     monkeypatch.setitem(train_gpt2.RECIPES["d12_fast"], "sampled_softmax", 300)
+    # The recipe's frequency-weighted draws: on random tokens every token weighs the same.
     expected = {(): None,  # the recipe's 300 columns span the 256-token vocabulary: the full softmax
-                ("--sampled_softmax", "0"): None, ("--sampled_softmax", "100"): (100, 256),
+                ("--sampled_softmax", "0"): None, ("--sampled_softmax", "100"): (100, 256, torch.zeros(256)),
                 ("--sampled_softmax", "256"): None,  # the whole vocabulary: the full softmax, as in the trainer
-                ("--vocab_size", "1024"): (300, 1024)}
+                ("--vocab_size", "1024"): (300, 1024, torch.zeros(1024))}
     for extra, head in expected.items():
         heads.clear()
         profile_model.profile(args_for(*small, "--kernels", "0", *extra))
-        assert heads == [head] * 3  # every micro-batch of the warm-up and the timed steps
+        assert len(heads) == 3  # every micro-batch of the warm-up and the timed steps
+        for seen in heads:
+            assert seen == head if head is None else (seen[:2] == head[:2] and torch.equal(seen[2], head[2]))
+    monkeypatch.setitem(train_gpt2.RECIPES["d12_fast"], "sampled_softmax_draws", "uniform")
+    heads.clear()
+    profile_model.profile(args_for(*small, "--kernels", "0", "--sampled_softmax", "100"))
+    assert [head[2] for head in heads] == [None] * 3
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):

@@ -861,6 +861,7 @@ def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
         16000, 16000, 0.95, 1.2)
     # The sampled softmax spans the schedule and its overtime, so the run never switches softmax (one graph).
     assert (fast.sampled_softmax, fast.sampled_softmax_iters) == (16384, fast.num_iterations + fast.overtime_steps)
+    assert (fast.sampled_softmax_draws, d12.sampled_softmax_draws) == ("frequency", "uniform")
     assert (d12.normuon_beta2, d12.muon_orthogonalize) == (0.0, "newton_schulz")
     assert parse_args(["--model", "d12_fast", "--batch_size", "16"]).batch_size == 16
     assert d12.coordinate_descent_tuning and not fast.coordinate_descent_tuning  # on/off flags too
