@@ -20,6 +20,19 @@ def parse(*flags) -> Namespace:
     return build_parser().parse_args(list(flags))
 
 
+def record_training_passes(monkeypatch, pick) -> list:
+    """What pick(the keyword arguments) makes of every training forward pass of the model, in order."""
+    seen = []
+    forward = GPT.forward
+
+    def recording_forward(self, idx, targets=None, **kwargs):
+        if self.training:
+            seen.append(pick(kwargs))
+        return forward(self, idx, targets, **kwargs)
+    monkeypatch.setattr(GPT, "forward", recording_forward)
+    return seen
+
+
 # --- the attention-window warmup -------------------------------------------------------------------------------
 
 def test_window_warmup_doubles_the_local_window_in_equal_stages():
@@ -147,14 +160,7 @@ def test_extra_targets_fade_the_farthest_first_each_over_an_equal_share():
 
 def test_an_extra_targets_run_passes_each_steps_weights_and_logs_each_targets_loss(tmp_path, shards, capsys,
                                                                                    monkeypatch):
-    seen = []
-    forward = GPT.forward
-
-    def recording_forward(self, idx, targets=None, **kwargs):
-        if self.training:
-            seen.append(kwargs["extra_target_weights"].tolist())
-        return forward(self, idx, targets, **kwargs)
-    monkeypatch.setattr(GPT, "forward", recording_forward)
+    seen = record_training_passes(monkeypatch, lambda kwargs: kwargs["extra_target_weights"].tolist())
     flags = ["--extra_targets", "2", "--extra_targets_iters", "4"]
     assert main(tiny_run_args(shards, tmp_path, "run", *flags)) == 0
     capsys.readouterr()
@@ -208,15 +214,8 @@ def test_the_sampled_softmax_lasts_its_steps_and_draws_by_seed_step_and_micro_ba
 
 def test_a_sampled_softmax_run_samples_for_its_steps_and_says_what_its_training_loss_is(tmp_path, shards, capsys,
                                                                                         monkeypatch):
-    seen = []
-    forward = GPT.forward
-
-    def recording_forward(self, idx, targets=None, **kwargs):
-        if self.training:
-            sample = kwargs["sampled_softmax"]
-            seen.append(None if sample is None else sample.columns)
-        return forward(self, idx, targets, **kwargs)
-    monkeypatch.setattr(GPT, "forward", recording_forward)
+    seen = record_training_passes(
+        monkeypatch, lambda kwargs: None if kwargs["sampled_softmax"] is None else kwargs["sampled_softmax"].columns)
     assert main(tiny_run_args(shards, tmp_path, "run", "--sampled_softmax", "64", "--sampled_softmax_iters", "4")) == 0
     out = capsys.readouterr().out
     assert seen == [64] * 8 + [None] * 4  # 6 steps of 2 micro-batches, the last two on the full softmax
@@ -232,14 +231,7 @@ def test_frequency_draws_weigh_each_token_by_its_count_in_the_first_training_tok
                                                                                     monkeypatch):
     import glob
     from train_gpt2 import load_shard
-    weights = []
-    forward = GPT.forward
-
-    def recording_forward(self, idx, targets=None, **kwargs):
-        if self.training:
-            weights.append(kwargs["sampled_softmax"].log_weights)
-        return forward(self, idx, targets, **kwargs)
-    monkeypatch.setattr(GPT, "forward", recording_forward)
+    weights = record_training_passes(monkeypatch, lambda kwargs: kwargs["sampled_softmax"].log_weights)
     monkeypatch.setattr(train_gpt2, "FREQUENCY_COUNT_TOKENS", 25_000)  # the first shard and 5,000 of the second's
     flags = ("--sampled_softmax", "64", "--sampled_softmax_iters", "6", "--sampled_softmax_draws", "frequency")
     assert main(tiny_run_args(shards, tmp_path, "run", *flags)) == 0
