@@ -2028,7 +2028,7 @@ def softmax_sample(step: int, micro_step: int, args, vocab: int, env, log_weight
     return SoftmaxSample(columns, torch.rand(vocab, generator=generator, device=env.device), log_weights)
 
 
-def draw_log_weights(args, loader: "TokenLoader") -> torch.Tensor | None:
+def draw_log_weights(args, loader: TokenLoader) -> torch.Tensor | None:
     """The log-weights of --sampled_softmax_draws frequency: log(1 + each token's count in the training data's
     first FREQUENCY_COUNT_TOKENS tokens), the same on every process and after a resume; None for uniform draws
     or without a sampled softmax."""
@@ -2559,8 +2559,9 @@ def report_sampled_softmax(args, config: GPTConfig, loader: TokenLoader, log: Ru
     K = args.sampled_softmax
     distinct = len(torch.unique(loader.sample_rows(loader.B)))
     log.print(f"sampled softmax: {K:,} of {config.vocab_size:,} columns ({args.sampled_softmax_draws} draws) for the "
-              f"first {args.sampled_softmax_iters:,} steps, against the first micro-batch's {distinct:,} distinct tokens; their logged training loss is "
-              "that softmax's estimate of the full one (evaluation always scores the full softmax)")
+              f"first {args.sampled_softmax_iters:,} steps, against the first micro-batch's {distinct:,} distinct "
+              "tokens; their logged training loss is that softmax's estimate of the full one (evaluation always "
+              "scores the full softmax)")
     if distinct > K:
         notice(f"--sampled_softmax {K}: the first micro-batch holds {distinct:,} distinct tokens, more than the "
                "columns, so the positions whose target is left out are not trained on; raise --sampled_softmax "

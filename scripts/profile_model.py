@@ -30,8 +30,8 @@ from torch.autograd import DeviceType
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from train_gpt2 import (COMPILE_MODES, GPT, MLP, Block, CausalSelfAttention, InputError, LatentAttention,  # noqa: E402
                         MoE, Norm, SoftmaxSample, TokenLoader, add_model_flags, check_sampled_softmax,
-                        configure_compile, draw_log_weights, make_optimizer, parse_args, pick_device, report_input_errors,
-                        resolve_model_config, synchronize)
+                        configure_compile, draw_log_weights, make_optimizer, parse_args, pick_device,
+                        report_input_errors, resolve_model_config, synchronize)
 
 PARTS = ("embedding", "attention projections", "attention core", "MLP / MoE", "norms", "head + loss",
          "residual adds & other", "optimizer", "data loading")
@@ -148,7 +148,8 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
             t0 = time.perf_counter()
             x, y = next_batch()
             charge("data loading", t0)
-            sample = SoftmaxSample(columns, torch.rand(config.vocab_size, device=device), log_weights) if columns else None
+            sample = (SoftmaxSample(columns, torch.rand(config.vocab_size, device=device), log_weights)
+                      if columns else None)
             with autocast:
                 _, loss, _ = forward(x, y, return_logits=False, sampled_softmax=sample)
             (loss / args.grad_accumulation_steps).backward()
