@@ -8,15 +8,22 @@ softcap_cross_entropy: the head's per-token loss and its gradient w.r.t. the log
 logits. Inductor fuses the torch version into a single reduction kernel, but that kernel passes over each
 row of the logits three times and evaluates libdevice's tanh in each pass: 3.10 ms for 16,384 x 50,304 bf16
 logits on an H100, against 1.83 ms for the kernel here.
+
+relu2_product: the MLP's first product with ReLU² in its epilogue, and the backward's product with ReLU²'s
+derivative in its epilogue. Unfused, ReLU² costs two elementwise passes over the (tokens, hidden) activations
+(forward: read the product, write its square; backward: read the incoming gradient and the product, write the
+product's gradient), each bound by memory bandwidth; here the activations meet the nonlinearity in registers.
 """
 
 import os
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU-only installs: the torch versions run instead
     triton = None
 
@@ -164,3 +171,143 @@ if triton is not None:
                 g = g * (1.0 - squashed * squashed)
             g = tl.where(in_vocab, g, 0.0)
             tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < width)
+
+
+# -----------------------------------------------------------------------------
+# A product with ReLU² in its epilogue
+#
+# Contract, for a (M, K) and b (K, N) of one floating dtype (b may be a transposed view):
+#   forward, pre=None:  returns (product, post): product = a @ b, post = relu(product)² computed from the
+#                       rounded product in fp32, both in a's dtype;
+#   backward, pre (M, N) given: returns (a @ b, rounded to a's dtype) * 2 * relu(pre), computed in fp32,
+#                       in a's dtype: the gradient of relu(pre)² when a @ b is the gradient of its output.
+# Rounding the product before the epilogue reproduces the unfused math: its product is stored in a's dtype too.
+
+
+def relu2_product_torch(a: torch.Tensor, b: torch.Tensor, pre: torch.Tensor | None = None):
+    """The contract above in torch ops (float64 inputs computed in float64)."""
+    product = a @ b
+    wide = torch.promote_types(a.dtype, torch.float32)
+    if pre is None:
+        return product, F.relu(product.to(wide)).square().to(a.dtype)
+    return (product.to(wide) * (2 * F.relu(pre.to(wide)))).to(a.dtype)
+
+
+# Tiles for an H100 (sm_90, 228 KB of shared memory per SM): 128 x 256 outputs per tile, 64 of K at a time, one
+# persistent program per SM, with four stages of loads in flight forward and three backward, whose epilogue
+# stages pre's blocks in shared memory too. The interpreter runs smaller tiles, which also puts several tiles in
+# each dimension of the tests' small products.
+RELU2_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8)
+RELU2_STAGES = {"forward": 4, "backward": 3}
+RELU2_INTERPRETED_TILES = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32)
+
+
+def relu2_kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the kernel can take a and b: Triton runs on their device (see triton_runs_on), they are 16-bit
+    floats (the tiles are sized for them), a is row-major and b row- or column-major, and every row, the
+    output's too, is whole 16-byte units (the tensor memory accelerator's rules for the descriptors the kernel
+    reads and writes through)."""
+    def aligned(t):
+        return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+    return (triton_runs_on(a.device) and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype
+            and (b.size(1) * a.element_size()) % 16 == 0 and aligned(a) and (aligned(b) or aligned(b.t())))
+
+
+def processor_count(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors: how many persistent programs run at once (4 elsewhere)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def relu2_product(a: torch.Tensor, b: torch.Tensor, pre: torch.Tensor | None = None):
+    """The contract above: the Triton kernel where it can take a and b (relu2_kernel_takes), else the torch
+    version. The kernel runs inside custom ops, which torch.compile keeps whole: traced, its descriptors and
+    the alignment checks would need the tensors' addresses."""
+    if pre is None:
+        return tuple(torch.ops.speedrun.relu2_forward(a, b))
+    return torch.ops.speedrun.relu2_backward(a, b, pre)
+
+
+@torch.library.custom_op("speedrun::relu2_forward", mutates_args=())
+def _relu2_forward(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _relu2_kernel(a, b, None) if relu2_kernel_takes(a, b) else relu2_product_torch(a, b)
+
+
+@_relu2_forward.register_fake
+def _(a, b):
+    product = a.new_empty(a.size(0), b.size(1))
+    return product, torch.empty_like(product)
+
+
+@torch.library.custom_op("speedrun::relu2_backward", mutates_args=())
+def _relu2_backward(a: torch.Tensor, b: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    return _relu2_kernel(a, b, pre) if relu2_kernel_takes(a, b) else relu2_product_torch(a, b, pre)
+
+
+@_relu2_backward.register_fake
+def _(a, b, pre):
+    return a.new_empty(a.size(0), b.size(1))
+
+
+def _relu2_kernel(a: torch.Tensor, b: torch.Tensor, pre: torch.Tensor | None):
+    """Launches the kernel on inputs that relu2_kernel_takes: (product, post) forward, the gradient backward."""
+    M, K = a.shape
+    N = b.size(1)
+    forward = pre is None
+    tiles = RELU2_INTERPRETED_TILES if INTERPRETING else {
+        **RELU2_TILES, "num_stages": RELU2_STAGES["forward" if forward else "backward"]}
+    bm, bn, bk = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
+    b_transposed = b.stride(1) != 1  # b is (N, K) row-major, seen as its transpose
+    out = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    pre = torch.empty_like(out) if forward else pre.contiguous()  # forward: the kernel writes the product here
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+    b_desc = TensorDescriptor.from_tensor(b.t(), [bn, bk]) if b_transposed else \
+        TensorDescriptor.from_tensor(b, [bk, bn])
+    # The epilogue stores each tile in two halves of its columns, which halves the staging buffer it needs.
+    out_desc, pre_desc = (TensorDescriptor.from_tensor(t, [bm, bn // 2]) for t in (out, pre))
+    programs = min(processor_count(a.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
+    _relu2_product_tiles[(programs,)](a_desc, b_desc, out_desc, pre_desc, M, N, K, FORWARD=forward,
+                                      B_TRANSPOSED=b_transposed, DOT_FP32=INTERPRETING, PROGRAMS=programs, **tiles)
+    return (pre, out) if forward else out
+
+
+if triton is not None:
+    @triton.jit
+    def _relu2_epilogue(product, out_desc, pre_desc, row, col, FORWARD: tl.constexpr):
+        """Stores one block of the tile: forward the product and its ReLU², backward the product times
+        ReLU²'s derivative at pre."""
+        product = product.to(out_desc.dtype)
+        if FORWARD:
+            pre_desc.store([row, col], product)
+            relu = tl.maximum(product.to(tl.float32), 0.0)
+            out_desc.store([row, col], (relu * relu).to(out_desc.dtype))
+        else:
+            relu = tl.maximum(pre_desc.load([row, col]).to(tl.float32), 0.0)
+            out_desc.store([row, col], (product.to(tl.float32) * (2.0 * relu)).to(out_desc.dtype))
+
+    @triton.jit
+    def _relu2_product_tiles(a_desc, b_desc, out_desc, pre_desc, M, N, K, FORWARD: tl.constexpr,
+                             B_TRANSPOSED: tl.constexpr, DOT_FP32: tl.constexpr, PROGRAMS: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Persistent: each program takes every PROGRAMS-th tile of the output, row of tiles by row of tiles, so
+        that the programs running together share a's rows and b (a few MB) stays in L2; the loop over tiles is
+        flattened into the loop over K, so the next tile's loads overlap this tile's epilogue. The descriptors'
+        loads fill with zeros past the edges and their stores clip there.
+        DOT_FP32 (under the interpreter, whose bf16 dot returns garbage in Triton 3.9) multiplies fp32 copies
+        of the tiles in full fp32: products of 16-bit floats are exact in fp32, so only the sums' order
+        differs from the GPU's."""
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        tiles = tl.cdiv(M, BLOCK_M) * tiles_n
+        for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+            row = (tile // tiles_n) * BLOCK_M
+            col = (tile % tiles_n) * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                a = a_desc.load([row, k])
+                b = b_desc.load([col, k]).T if B_TRANSPOSED else b_desc.load([k, col])
+                if DOT_FP32:
+                    acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc)
+            left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            _relu2_epilogue(left, out_desc, pre_desc, row, col, FORWARD)
+            _relu2_epilogue(right, out_desc, pre_desc, row, col + BLOCK_N // 2, FORWARD)

@@ -69,6 +69,10 @@ class GPTConfig:
     # gradients, dynamic per-tensor scales) on GPUs with FP8 tensor cores, bf16 elsewhere with a notice.
     # Evaluation runs the exact products of the same weights.
     fp8_mlp: bool = False
+    # The relu2 MLP in training as one autograd function whose two ReLU² passes run in its products' epilogues
+    # (kernels.relu2_product, a Triton kernel on H100-class GPUs): the same math, two fewer passes over the
+    # (tokens, hidden) activations each way. Evaluation runs the plain products.
+    fused_relu2: bool = False
     # --- the rest ---------------------------------------------------------------------------------
     norm: str = "rms"  # "rms" (parameter-free, NoCap), "rms_gain" (learned gain), "layer" (LayerNorm)
     norm_eps: float = 1e-6
@@ -148,6 +152,9 @@ class GPTConfig:
         if self.fp8_mlp and self.moe_experts:
             raise ValueError("fp8_mlp runs the dense MLP's products in FP8; the MoE's experts are grouped "
                              "products it does not cover: set one of moe_experts and fp8_mlp")
+        if self.fused_relu2 and (self.mlp_act != "relu2" or self.fp8_mlp):
+            raise ValueError("fused_relu2 fuses the relu2 MLP's activation into its bf16 products: it needs "
+                             f"mlp_act relu2 (not {self.mlp_act!r}) and fp8_mlp off")
         if self.fp8_head and not self.fused_head_loss:
             raise ValueError("fp8_head is the fused head loss's logits product in FP8; set fused_head_loss too")
         self.moe_block_indices  # validates moe_layers
@@ -257,6 +264,9 @@ VARIANTS: dict[str, GPTConfig] = {
         # The plain head's math in fewer passes over the logits. Its FP8 form (fp8_head) learns the same but
         # gains no more than 1-2% of the tokens/s: off.
         fused_head_loss=True,
+        # ReLU² in the epilogues of the MLP's products on H100-class GPUs: the same gradients, two fewer passes
+        # over the MLP's activations each way.
+        fused_relu2=True,
         # Half the bytes for every elementwise pass over the stream, the same losses. (FP8 in the blocks'
         # linear layers was slower: at width 768 the casts cost more than the products save.)
         bf16_residual=True,

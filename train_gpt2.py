@@ -778,9 +778,54 @@ class MLP(nn.Module):
         linear = fp8_training_linear() if config.fp8_mlp else nn.Linear
         self.c_fc = linear(config.n_embd, gated * hidden, bias=False)
         self.c_proj = linear(hidden, config.n_embd, bias=False)
+        self.fused = config.fused_relu2
 
     def forward(self, x):
+        if self.fused and self.training and fused_relu2_runs(x):
+            return ReLU2MLP.apply(x, self.c_fc.weight, self.c_proj.weight, compute_dtype(x))
         return self.c_proj(mlp_activation(self.c_fc(x), self.act))
+
+
+def fused_relu2_runs(x: torch.Tensor) -> bool:
+    """Whether fused_relu2 runs on x's device. On CUDA its kernel needs Triton and an sm_90+ GPU (H100): its
+    tiles take more shared memory than an A100's or an RTX 4090's; elsewhere a notice says the MLP runs
+    unfused (the same math, as fast as without the flag). On CPU the autograd function runs with torch's
+    products, which keeps the path testable there."""
+    if x.device.type == "cpu":
+        return True
+    if x.device.type == "cuda" and kernels.triton_runs_on(x.device):
+        if torch.cuda.get_device_capability(x.device) >= (9, 0):
+            return True
+    name = torch.cuda.get_device_name(x.device) if x.device.type == "cuda" else x.device.type
+    notice(f"fused_relu2: its kernel needs Triton and an sm_90+ GPU (H100), not {name}; the MLP runs unfused "
+           "(the same math)")
+    return False
+
+
+class ReLU2MLP(torch.autograd.Function):
+    """c_proj(relu(c_fc(x))²) with the ReLU² in the first product's epilogue and its derivative in the epilogue
+    of the backward's product through c_proj (kernels.relu2_product). Autograd's version passes over the
+    (tokens, hidden) activations once more each way. Saves the product and its square, as autograd does.
+    Products in `dtype` (bf16 under autocast); gradients returned in the inputs' dtypes."""
+
+    @staticmethod
+    def forward(ctx, x, w_fc, w_proj, dtype: torch.dtype):
+        rows = x.to(dtype).reshape(-1, x.size(-1))
+        w_fc_c, w_proj_c = w_fc.to(dtype), w_proj.to(dtype)
+        pre, post = kernels.relu2_product(rows, w_fc_c.t())
+        ctx.save_for_backward(rows, w_fc_c, w_proj_c, pre, post)
+        ctx.dtypes = (x.dtype, w_fc.dtype, w_proj.dtype)
+        return (post @ w_proj_c.t()).view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, w_fc_c, w_proj_c, pre, post = ctx.saved_tensors
+        grad_rows = grad_out.reshape(-1, grad_out.size(-1)).to(w_proj_c.dtype)
+        grad_pre = kernels.relu2_product(grad_rows, w_proj_c, pre)
+        grad_x = (grad_pre @ w_fc_c).view(*grad_out.shape[:-1], -1)
+        grad_w_fc, grad_w_proj = grad_pre.t() @ rows, grad_rows.t() @ post
+        x_dtype, w_fc_dtype, w_proj_dtype = ctx.dtypes
+        return grad_x.to(x_dtype), grad_w_fc.to(w_fc_dtype), grad_w_proj.to(w_proj_dtype), None
 
 
 class MoE(nn.Module):

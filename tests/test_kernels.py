@@ -140,3 +140,115 @@ def test_triton_kernel_compiles_for_each_gpu_generation_with_the_fast_tanh(arch,
     ptx = kernels.triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4}).asm["ptx"]
     assert f".target sm_{arch}" in ptx
     assert ("tanh.approx.f32" in ptx) == bool(cap)
+
+
+# --- the product with ReLU² in its epilogue ------------------------------------------------------------------
+
+
+def relu2_inputs(M: int, K: int, N: int, dtype=torch.float64, seed: int = 0):
+    """a (M, K); w_fc (N, K), a Linear's weight, which the forward's product takes transposed; w_proj (K, N),
+    row-major as c_proj's weight is in the backward's product; pre (M, N)."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(M, K, generator=g, dtype=torch.float64).to(dtype)
+    w_fc = torch.randn(N, K, generator=g, dtype=torch.float64).to(dtype)
+    w_proj = torch.randn(K, N, generator=g, dtype=torch.float64).to(dtype)
+    pre = torch.randn(M, N, generator=g, dtype=torch.float64).to(dtype) * 4
+    return a, w_fc, w_proj, pre
+
+
+def test_relu2_torch_contract_is_the_square_and_autograds_gradient():
+    a, w_fc, w_proj, _ = relu2_inputs(12, 8, 24)
+    pre, post = kernels.relu2_product_torch(a, w_fc.t())
+    torch.testing.assert_close(pre, a @ w_fc.t(), rtol=0, atol=0)
+    torch.testing.assert_close(post, F.relu(pre) ** 2, rtol=0, atol=0)
+    assert (post == 0).any() and (post > 0).any()  # both sides of the ReLU
+    # Backward: a @ w_proj is the gradient w.r.t. post; the contract gives the gradient w.r.t. pre.
+    leaf = pre.clone().requires_grad_(True)
+    (F.relu(leaf).square() * (a @ w_proj)).sum().backward()
+    torch.testing.assert_close(kernels.relu2_product_torch(a, w_proj, pre), leaf.grad, rtol=1e-12, atol=1e-12)
+
+
+@needs_triton
+def test_relu2_kernel_takes_only_aligned_16_bit_inputs(monkeypatch):
+    monkeypatch.setattr(kernels, "INTERPRETING", True)  # Triton "runs" on CPU tensors, as under the interpreter
+    a, w_fc, w_proj, _ = relu2_inputs(16, 32, 64, torch.bfloat16)
+    assert kernels.relu2_kernel_takes(a, w_fc.t()) and kernels.relu2_kernel_takes(a, w_proj)
+    assert not kernels.relu2_kernel_takes(a.float(), w_fc.float().t())  # fp32: the torch version
+    assert not kernels.relu2_kernel_takes(a.t(), w_fc)  # a column-major
+    odd, odd_w, _, _ = relu2_inputs(16, 32, 60, torch.bfloat16)  # 60 bf16 columns: 120-byte output rows
+    assert not kernels.relu2_kernel_takes(odd, odd_w.t())
+    assert not kernels.relu2_kernel_takes(a[:, 1:], w_fc[:, 1:].t())  # rows of 31: unaligned
+    monkeypatch.setattr(kernels, "INTERPRETING", False)
+    assert not kernels.relu2_kernel_takes(a, w_fc.t())  # CPU without the interpreter
+
+
+# Several tiles in each dimension with partial edge tiles (the interpreter's tiles are 32 x 64 x 32), K not a
+# multiple of the tile's 32, the forward's b a transposed view and the backward's b row-major; one product
+# whose output rows are not 16-byte units, for which the torch version runs; fp16 as well as bf16.
+RELU2_CASES = [(100, 96, 200, torch.bfloat16), (70, 40, 136, torch.bfloat16), (64, 64, 64, torch.float16),
+               (33, 48, 60, torch.bfloat16)]
+
+
+@needs_triton
+def test_relu2_kernel_matches_the_torch_version_under_the_interpreter(tmp_path):
+    cases = [relu2_inputs(M, K, N, dtype, seed=i) for i, (M, K, N, dtype) in enumerate(RELU2_CASES)]
+    torch.save(cases, tmp_path / "cases.pt")
+    child = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(REPO)!r})
+        import kernels
+        out = []
+        for a, w_fc, w_proj, pre in torch.load({str(tmp_path / "cases.pt")!r}):
+            ran = kernels.relu2_kernel_takes(a, w_fc.t()), kernels.relu2_kernel_takes(a, w_proj)
+            out.append((ran, kernels.relu2_product(a, w_fc.t()), kernels.relu2_product(a, w_proj, pre)))
+        torch.save(out, {str(tmp_path / "out.pt")!r})
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = torch.load(tmp_path / "out.pt")
+    for (M, K, N, dtype), (a, w_fc, w_proj, pre), (ran, (got_pre, got_post), got_grad) in zip(RELU2_CASES, cases,
+                                                                                             results):
+        assert ran == ((N * 2) % 16 == 0,) * 2  # the kernel ran wherever the output rows are 16-byte units
+        # The contract with the sums in float64 (torch's 16-bit products on CPU round differently from GPUs'),
+        # each product rounded to 16 bits before its epilogue.
+        want_pre = (a.double() @ w_fc.t().double()).to(dtype)
+        want_post = F.relu(want_pre.double()).square().to(dtype)
+        want_grad = ((a.double() @ w_proj.double()).to(dtype).double() * 2 * F.relu(pre.double())).to(dtype)
+        for got, want in ((got_pre, want_pre), (got_post, want_post), (got_grad, want_grad)):
+            assert got.dtype == dtype and got.shape == (M, N)
+            # fp32 sums against exact ones, and the interpreter's bf16 casts truncate (Triton 3.9): a product
+            # may sit one unit in the last place off (2^-7 relative), its square or gradient two units more
+            # (the square doubles the product's error, and the result is cast again). fp16 casts round, so
+            # there most results are the same number.
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -5, atol=1e-3)
+            if dtype == torch.float16:
+                assert (got == want).float().mean() > 0.9
+        assert torch.equal(got_post == 0, want_pre <= 0) or not ran[0]  # the ReLU cut where the product is <= 0
+
+
+@needs_triton
+@pytest.mark.parametrize("forward", [True, False])
+def test_relu2_kernel_compiles_for_an_h100_within_its_shared_memory(forward):
+    # The CUDA build at the tiles and stages the kernel runs with, compiled without a GPU: its products must be
+    # Hopper's wgmma instructions fed by tensor-memory copies, and its buffers must fit the 227 KB of shared
+    # memory an H100 gives one program (more fails at launch: "out of resource: shared memory").
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    tiles = kernels.RELU2_TILES
+    bm, bn, bk = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
+    b_block = [bn, bk] if forward else [bk, bn]  # the forward's b is a Linear's weight, transposed
+    signature = {"a_desc": f"tensordesc<bf16[{bm},{bk}]>", "b_desc": f"tensordesc<bf16{b_block}>".replace(" ", ""),
+                 "out_desc": f"tensordesc<bf16[{bm},{bn // 2}]>", "pre_desc": f"tensordesc<bf16[{bm},{bn // 2}]>",
+                 "M": "i32", "N": "i32", "K": "i32", "FORWARD": "constexpr", "B_TRANSPOSED": "constexpr",
+                 "DOT_FP32": "constexpr", "PROGRAMS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                 "BLOCK_K": "constexpr"}
+    source = ASTSource(fn=kernels._relu2_product_tiles, signature=signature,
+                       constexprs={"FORWARD": forward, "B_TRANSPOSED": forward, "DOT_FP32": False, "PROGRAMS": 132,
+                                   "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk})
+    stages = kernels.RELU2_STAGES["forward" if forward else "backward"]
+    compiled = kernels.triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": tiles["num_warps"], "num_stages": stages})
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert compiled.metadata.shared <= 232_448

@@ -1,14 +1,16 @@
 """The MLP and Mixture-of-Experts: activations, SwiGLU at equal parameters, the MLP's FP8 products (training
-only, exact in evaluation, a notice where there is no FP8), one expert equals the dense MLP, the grouped
+only, exact in evaluation, a notice where there is no FP8), the fused ReLU² MLP (autograd's gradients, one
+compiled graph, a notice where its kernel cannot run), one expert equals the dense MLP, the grouped
 dispatch equals the per-expert loop, routing and balance, and compiled MoE evaluation."""
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model_variants import D12, TINY, with_overrides
+from model_variants import D12, TINY, VARIANTS, with_overrides
 from train_gpt2 import GPT, MLP, MoE, PermuteRows, evaluation_compiles, grouped_mm_supported, precision
 
 
@@ -72,6 +74,76 @@ def test_fp8_mlp_keeps_the_models_parameters_and_their_optimizer():
     assert len(muon_params(fp8)) == len(muon_params(plain))  # Muon still orthogonalizes the MLP's matrices
     with pytest.raises(ValueError, match="set one of moe_experts and fp8_mlp"):
         with_overrides(TINY, fp8_mlp=True, moe_experts=2)
+
+
+def spy_on_relu2_products(monkeypatch) -> list[bool]:
+    """Records each kernels.relu2_product call: True forward, False backward."""
+    import kernels
+    calls, real = [], kernels.relu2_product
+    monkeypatch.setattr(kernels, "relu2_product", lambda a, b, pre=None: calls.append(pre is None) or real(a, b, pre))
+    return calls
+
+
+def test_fused_relu2_trains_with_autograds_gradients_and_evaluates_the_plain_mlp(monkeypatch):
+    calls = spy_on_relu2_products(monkeypatch)
+    torch.manual_seed(0)
+    fused, plain = MLP(with_overrides(TINY, mlp_act="relu2", fused_relu2=True)).double(), MLP(
+        with_overrides(TINY, mlp_act="relu2")).double()
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(3, 7, 64, dtype=torch.float64)
+    x_fused, x_plain = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    upstream = torch.randn(3, 7, 64, dtype=torch.float64)
+    (fused(x_fused) * upstream).sum().backward()
+    (plain(x_plain) * upstream).sum().backward()
+    assert calls == [True, False]  # the fused function ran, forward and backward
+    for got, want in ((x_fused.grad, x_plain.grad), (fused.c_fc.weight.grad, plain.c_fc.weight.grad),
+                      (fused.c_proj.weight.grad, plain.c_proj.weight.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    fused.eval()
+    torch.testing.assert_close(fused(x), plain(x), rtol=0, atol=0)
+    assert calls == [True, False]  # evaluation: the plain products
+
+
+def test_compiled_fused_relu2_mlp_is_one_graph_and_equals_eager():
+    torch.manual_seed(0)
+    mlp = MLP(with_overrides(TINY, mlp_act="relu2", fused_relu2=True))
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    explained = torch._dynamo.explain(mlp)(x)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0  # the kernel's ops are whole to dynamo
+    eager = mlp(x)
+    eager.square().sum().backward()
+    eager_grads = x.grad.clone(), mlp.c_fc.weight.grad.clone()
+    x.grad, mlp.c_fc.weight.grad = None, None
+    compiled = torch.compile(mlp)(x)
+    compiled.square().sum().backward()
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close((x.grad, mlp.c_fc.weight.grad), eager_grads)
+
+
+def test_fused_relu2_runs_unfused_with_a_notice_where_its_kernel_cannot(monkeypatch, capsys):
+    import kernels
+    import train_gpt2
+    on_gpu = SimpleNamespace(device=torch.device("cuda"))
+    monkeypatch.setattr(kernels, "triton_runs_on", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 4090")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert train_gpt2.fused_relu2_runs(on_gpu) and capsys.readouterr().err == ""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert not train_gpt2.fused_relu2_runs(on_gpu)
+    assert ("notice: fused_relu2: its kernel needs Triton and an sm_90+ GPU (H100), not NVIDIA GeForce RTX 4090; "
+            "the MLP runs unfused (the same math)") in capsys.readouterr().err
+    assert train_gpt2.fused_relu2_runs(SimpleNamespace(device=torch.device("cpu")))  # the testable path
+
+
+def test_d12_fast_trains_its_mlp_fused():
+    assert VARIANTS["d12_fast"].fused_relu2 and not VARIANTS["d12"].fused_relu2
+
+
+def test_fused_relu2_needs_the_relu2_mlp_without_fp8():
+    with pytest.raises(ValueError, match="fused_relu2 .* needs mlp_act relu2 \\(not 'gelu'\\) and fp8_mlp off"):
+        with_overrides(TINY, fused_relu2=True)
+    with pytest.raises(ValueError, match="fp8_mlp off"):
+        with_overrides(TINY, mlp_act="relu2", fused_relu2=True, fp8_mlp=True)
 
 
 def test_moe_with_one_expert_top1_equals_the_dense_mlp():
