@@ -13,8 +13,14 @@ relu2_product: the MLP's first product with ReLU² in its epilogue, and the back
 derivative in its epilogue. Unfused, ReLU² costs two elementwise passes over the (tokens, hidden) activations
 (forward: read the product, write its square; backward: read the incoming gradient and the product, write the
 product's gradient), each bound by memory bandwidth; here the activations meet the nonlinearity in registers.
+
+block_attention: causal attention within aligned blocks of positions (the chunked local layers), forward and
+backward. SDPA runs it as general attention over the blocks taken as a batch: cuDNN's backward at d12_fast's
+256-position blocks takes 415 us a layer on an H100, where this kernel, which knows every query's keys lie in
+its own block, takes 281 us.
 """
 
+import math
 import os
 
 import torch
@@ -311,3 +317,249 @@ if triton is not None:
             left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             _relu2_epilogue(left, out_desc, pre_desc, row, col, FORWARD)
             _relu2_epilogue(right, out_desc, pre_desc, row, col + BLOCK_N // 2, FORWARD)
+
+
+# -----------------------------------------------------------------------------
+# Causal attention within aligned blocks
+#
+# Contract, for q, k, v (B, H, T, D) of one dtype and T a multiple of `block`: query t attends to the keys
+# s <= t of its own block (s // block == t // block), scores scaled by 1/sqrt(D), softmax in fp32:
+#   forward: (o, lse): o (B, H, T, D) in q's dtype, lse (B, H, T) fp32, each query's log-sum-exp of its scores;
+#   backward, given do (the gradient of o): (dq, dk, dv) in q's dtype.
+# A block is a whole attention problem of its own, so one program owns everything a tile needs: the forward's
+# query tiles read only their block's keys, and the backward computes each tile's dq, dk and dv without atomics
+# or fp32 buffers, and the softmax's row term (rowsum(do * o)) in registers, where a general kernel makes
+# extra passes over these tensors for both.
+
+
+def block_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int):
+    """The contract's forward in torch ops, computed in at least fp32: (o, lse)."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    T = q.size(2)
+    scores = (q.to(wide) @ k.to(wide).transpose(-2, -1)) / math.sqrt(q.size(-1))
+    t = torch.arange(T, device=q.device)
+    allowed = (t[None, :] <= t[:, None]) & (t[None, :] // block == t[:, None] // block)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return (torch.exp(scores - lse[..., None]) @ v.to(wide)).to(q.dtype), lse
+
+
+# Tiles of 64 positions: forward 64 queries against 64 keys at a time, pipelined three deep; backward a program
+# for each tile's key gradients and another for its query gradients, unpipelined. On an H100 at d12_fast's shapes
+# these ran fastest of tiles of 32-128 positions, 2-8 warps and 1-4 stages, and they take 40-72 KB of shared
+# memory, which every GPU from the A100 and RTX 3090 on has. The interpreter runs 16-position tiles, which puts
+# several tiles in each of the tests' small blocks.
+BLOCK_ATTENTION_TILES = {"forward": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+                         "backward": dict(TILE=64, SPLIT=True, num_warps=4, num_stages=1)}
+BLOCK_ATTENTION_INTERPRETED_TILES = {"forward": dict(BLOCK_M=16, BLOCK_N=16), "backward": dict(TILE=16, SPLIT=True)}
+
+
+def block_attention_tiles() -> dict:
+    return BLOCK_ATTENTION_INTERPRETED_TILES if INTERPRETING else BLOCK_ATTENTION_TILES
+
+
+def block_attention_kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> bool:
+    """Whether the kernel can take q, k and v: Triton runs on their device (see triton_runs_on), they are 16-bit
+    floats of one shape (as many key heads as query heads) with unit stride along the head dimension, which is a
+    power of two from 16 to 128, and block is whole tiles and divides T."""
+    if not (triton_runs_on(q.device) and q.dtype in (torch.bfloat16, torch.float16) and q.dim() == 4):
+        return False
+    tiles = block_attention_tiles()
+    tile_sizes = (tiles["forward"]["BLOCK_M"], tiles["forward"]["BLOCK_N"], tiles["backward"]["TILE"])
+    return (all(t.dtype == q.dtype and t.shape == q.shape and t.stride(-1) == 1 for t in (k, v))
+            and q.stride(-1) == 1 and q.size(-1) in (16, 32, 64, 128) and q.size(-2) % block == 0
+            and all(block % size == 0 for size in tile_sizes))
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
+    """o of the contract above, differentiable, on inputs that block_attention_kernel_takes. o is laid out as
+    (B, T, H, D) in memory, so that merging its heads back into the stream is a view."""
+    return torch.ops.speedrun.block_attention(q, k, v, block)[0]
+
+
+def _heads_last(B: int, H: int, T: int, D: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty (B, H, T, D) tensor stored as (B, T, H, D)."""
+    return like.new_empty(B, T, H, D).transpose(1, 2)
+
+
+@torch.library.custom_op("speedrun::block_attention", mutates_args=())
+def _block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, T, D = q.shape
+    o, lse = _heads_last(B, H, T, D, q), q.new_empty(B, H, T, dtype=torch.float32)
+    tiles = block_attention_tiles()["forward"]
+    grid = (T // tiles["BLOCK_M"], H, B)
+    _block_attention_forward[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], H, T,
+                                   1 / math.sqrt(D), BLOCK=block, D=D, DOT_FP32=INTERPRETING, **tiles)
+    return o, lse
+
+
+@_block_attention_op.register_fake
+def _(q, k, v, block):
+    B, H, T, D = q.shape
+    return _heads_last(B, H, T, D, q), q.new_empty(B, H, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("speedrun::block_attention_backward", mutates_args=())
+def _block_attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                                 lse: torch.Tensor, do: torch.Tensor, block: int
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, H, T, D = q.shape
+    do = do if do.stride(-1) == 1 else do.contiguous()
+    dq, dk, dv = (_heads_last(B, H, T, D, q) for _ in range(3))
+    tiles = block_attention_tiles()["backward"]
+    grid = (T // tiles["TILE"] * (2 if tiles["SPLIT"] else 1), H, B)
+    _block_attention_backward[grid](q, k, v, o, do, lse, dq, dk, dv, *q.stride()[:3], *k.stride()[:3],
+                                    *v.stride()[:3], *do.stride()[:3], H, T, 1 / math.sqrt(D), BLOCK=block, D=D,
+                                    DOT_FP32=INTERPRETING, **tiles)
+    return dq, dk, dv
+
+
+@_block_attention_backward_op.register_fake
+def _(q, k, v, o, lse, do, block):
+    B, H, T, D = q.shape
+    return tuple(_heads_last(B, H, T, D, q) for _ in range(3))
+
+
+def _block_attention_setup(ctx, inputs, output):
+    q, k, v, block = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.block = block
+
+
+def _block_attention_grad(ctx, do, _lse_grad):  # lse is a by-product for the backward: nothing flows into it
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.speedrun.block_attention_backward(q, k, v, o, lse, do, ctx.block)
+    return dq, dk, dv, None
+
+
+_block_attention_op.register_autograd(_block_attention_grad, setup_context=_block_attention_setup)
+
+
+if triton is not None:
+    @triton.jit
+    def _dot(a, b, DOT_FP32: tl.constexpr):
+        """a @ b with fp32 accumulation; DOT_FP32 (the interpreter, see _relu2_product_tiles) in full fp32."""
+        if DOT_FP32:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _tile(ptr, first, stride_t, ROWS: tl.constexpr, D: tl.constexpr):
+        """Rows first .. first + ROWS - 1 of one (T, D) matrix whose rows are stride_t apart."""
+        rows = first + tl.arange(0, ROWS)
+        return tl.load(ptr + rows[:, None] * stride_t + tl.arange(0, D)[None, :])
+
+    @triton.jit
+    def _block_attention_forward(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
+                                 H, T, sm_scale, BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
+        """One program per tile of BLOCK_M queries (axis 0), head (1) and row (2): online softmax over the keys
+        of the tile's block up to its last query, in base 2 (exp2 of log2(e)-scaled scores). o is stored as
+        (B, T, H, D)."""
+        first = tl.program_id(0) * BLOCK_M
+        h = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        rows = first + tl.arange(0, BLOCK_M)
+        q = _tile(q_ptr + b * sqb + h * sqh, first, sqt, BLOCK_M, D)
+        k_ptr += b * skb + h * skh
+        v_ptr += b * svb + h * svh
+        scale = sm_scale * 1.4426950408889634  # log2(e)
+        running_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        running_sum = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        # The first key tile is the block's first: every query sees its first key, so no row's maximum stays -inf.
+        for start in range(first // BLOCK * BLOCK, first + BLOCK_M, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            k = _tile(k_ptr, start, skt, BLOCK_N, D)
+            v = _tile(v_ptr, start, svt, BLOCK_N, D)
+            s = _dot(q, tl.trans(k), DOT_FP32) * scale
+            s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(s, axis=1))
+            p = tl.exp2(s - new_max[:, None])
+            shrink = tl.exp2(running_max - new_max)
+            running_sum = running_sum * shrink + tl.sum(p, axis=1)
+            acc = acc * shrink[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
+            running_max = new_max
+        o = acc / running_sum[:, None]
+        o_rows = o_ptr + (b * T * H + h) * D + rows[:, None] * (H * D) + tl.arange(0, D)[None, :]
+        tl.store(o_rows, o.to(o_ptr.dtype.element_ty))
+        tl.store(lse_ptr + (b * H + h) * T + rows, (running_max + tl.log2(running_sum)) * 0.6931471805599453)
+
+    @triton.jit
+    def _block_attention_key_grads(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dk_ptr, dv_ptr, sqt, skt, svt, sdt,
+                                   first, block_start, out_stride, scale, sm_scale, BLOCK: tl.constexpr,
+                                   D: tl.constexpr, TILE: tl.constexpr, DOT_FP32: tl.constexpr):
+        """dk and dv of the keys first .. first + TILE - 1, over the queries of their block from the tile on."""
+        tile = first + tl.arange(0, TILE)
+        k = _tile(k_ptr, first, skt, TILE, D)
+        v = _tile(v_ptr, first, svt, TILE, D)
+        dk = tl.zeros((TILE, D), tl.float32)
+        dv = tl.zeros((TILE, D), tl.float32)
+        for start in range(first, block_start + BLOCK, TILE):
+            rows = start + tl.arange(0, TILE)
+            q = _tile(q_ptr, start, sqt, TILE, D)
+            do = _tile(do_ptr, start, sdt, TILE, D)
+            row_term = tl.sum(_tile(o_ptr, start, out_stride, TILE, D).to(tl.float32) * do.to(tl.float32), axis=1)
+            lse = tl.load(lse_ptr + rows) * 1.4426950408889634
+            p = tl.exp2(_dot(q, tl.trans(k), DOT_FP32) * scale - lse[:, None])
+            p = tl.where(tile[None, :] <= rows[:, None], p, 0.0)
+            dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_FP32)
+            ds = p * (_dot(do, tl.trans(v), DOT_FP32) - row_term[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_FP32)
+        out = tile[:, None] * out_stride + tl.arange(0, D)[None, :]
+        tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty))
+        tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _block_attention_query_grads(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, sqt, skt, svt, sdt,
+                                     first, block_start, out_stride, scale, sm_scale, D: tl.constexpr,
+                                     TILE: tl.constexpr, DOT_FP32: tl.constexpr):
+        """dq of the queries first .. first + TILE - 1, over the keys of their block up to the tile's end."""
+        tile = first + tl.arange(0, TILE)
+        q = _tile(q_ptr, first, sqt, TILE, D)
+        do = _tile(do_ptr, first, sdt, TILE, D)
+        row_term = tl.sum(_tile(o_ptr, first, out_stride, TILE, D).to(tl.float32) * do.to(tl.float32), axis=1)
+        lse = tl.load(lse_ptr + tile) * 1.4426950408889634
+        dq = tl.zeros((TILE, D), tl.float32)
+        for start in range(block_start, first + TILE, TILE):
+            cols = start + tl.arange(0, TILE)
+            k = _tile(k_ptr, start, skt, TILE, D)
+            v = _tile(v_ptr, start, svt, TILE, D)
+            p = tl.exp2(_dot(q, tl.trans(k), DOT_FP32) * scale - lse[:, None])
+            p = tl.where(cols[None, :] <= tile[:, None], p, 0.0)
+            ds = p * (_dot(do, tl.trans(v), DOT_FP32) - row_term[:, None])
+            dq += _dot(ds.to(k.dtype), k, DOT_FP32)
+        out = tile[:, None] * out_stride + tl.arange(0, D)[None, :]
+        tl.store(dq_ptr + out, (dq * sm_scale).to(dq_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _block_attention_backward(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr,
+                                  sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, H, T, sm_scale,
+                                  BLOCK: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
+                                  DOT_FP32: tl.constexpr):
+        """Programs over (tile, head, row): each tile's key gradients, then its query gradients; with SPLIT,
+        axis 0 has twice the tiles, the first half for keys and the second for queries. The recomputed scores
+        cost less than a general kernel's atomics or second pass. o, dq, dk and dv are stored as (B, T, H, D)."""
+        tiles = T // TILE
+        index = tl.program_id(0)
+        first = (index % tiles) * TILE if SPLIT else index * TILE
+        h = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        heads_last = (b * T * H + h) * D  # offset of (b, 0, h, 0) in a (B, T, H, D) tensor
+        q_ptr += b * sqb + h * sqh
+        k_ptr += b * skb + h * skh
+        v_ptr += b * svb + h * svh
+        do_ptr += b * sdb + h * sdh
+        lse_ptr += (b * H + h) * T
+        scale = sm_scale * 1.4426950408889634  # log2(e): exp2 of scaled scores is exp of the scores
+        block_start = first // BLOCK * BLOCK
+        if not SPLIT or index < tiles:
+            _block_attention_key_grads(q_ptr, k_ptr, v_ptr, o_ptr + heads_last, do_ptr, lse_ptr, dk_ptr + heads_last,
+                                       dv_ptr + heads_last, sqt, skt, svt, sdt, first, block_start, H * D, scale,
+                                       sm_scale, BLOCK, D, TILE, DOT_FP32)
+        if not SPLIT or index >= tiles:
+            _block_attention_query_grads(q_ptr, k_ptr, v_ptr, o_ptr + heads_last, do_ptr, lse_ptr,
+                                         dq_ptr + heads_last, sqt, skt, svt, sdt, first, block_start, H * D, scale,
+                                         sm_scale, D, TILE, DOT_FP32)

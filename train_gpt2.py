@@ -238,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--coordinate_descent_tuning", action=argparse.BooleanOptionalAction, default=True,
                    help="let inductor tune kernel launch parameters while compiling, as NoCap does (slower "
                         "compile, faster steps)")
+    g.add_argument("--combo_kernels", action=argparse.BooleanOptionalAction, default=False,
+                   help="let inductor launch independent small kernels of a graph as one (its horizontal fusion): "
+                        "fewer launches where the host falls behind a fast GPU, as with the casts of every weight "
+                        "at the start of a micro-batch (slower compile)")
     g.add_argument("--compile_mode", choices=COMPILE_MODES, default="default",
                    help="torch.compile's mode: max-autotune-no-cudagraphs benchmarks Triton templates against "
                         "cuBLAS for every product and can fuse elementwise work into a product's epilogue (minutes "
@@ -576,11 +580,13 @@ def flex_block_masks(T: int, windows, device: torch.device, chunked: bool = Fals
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, window: int = 0,
-                     block_mask=None, chunked: bool = False, docs: torch.Tensor | None = None) -> torch.Tensor:
+                     block_mask=None, chunked: bool = False, docs: torch.Tensor | None = None,
+                     chunked_kernel: bool = False) -> torch.Tensor:
     """The attention seam. q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim) with n_kv_head
     dividing n_head (grouped-query attention); returns (B, n_head, T, head_dim). window and chunked: see
     may_attend; docs (B, T): document numbers, attention only within a document (flex and manual; the
-    block_mask given must include them)."""
+    block_mask given must include them); chunked_kernel: chunked windows in kernels.block_attention where it
+    takes q, k and v (GPTConfig.chunked_attention_kernel)."""
     grouped = k.size(1) != q.size(1)
     if impl == "manual":  # the definition, kept as the reference every fused path is tested against
         if grouped:
@@ -600,6 +606,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=grouped)
         dense_mask_reason = "FlexAttention has no backward on CPU"
     elif window and chunked:
+        if chunked_kernel:  # SDPA's dtype under autocast, which a custom kernel does not apply by itself
+            q16, k16, v16 = (t.to(compute_dtype(q)) for t in (q, k, v))
+            if kernels.block_attention_kernel_takes(q16, k16, v16, window):
+                return kernels.block_attention(q16, k16, v16, window)
         return chunked_attention(q, k, v, impl, window)
     elif window:
         dense_mask_reason = f"attn_impl={impl} has no sliding-window kernel"
@@ -686,7 +696,7 @@ class Attention(nn.Module):
             masking = masking or Masking()
             window = masking.window(self.window)
             y = causal_attention(q, k, v, c.attn_impl, window, masking.block_masks and masking.block_masks[window],
-                                 c.chunked_windows, masking.docs)
+                                 c.chunked_windows, masking.docs, c.chunked_attention_kernel)
         B, _, T, _ = q.shape
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, c.n_embd))
 
@@ -1468,6 +1478,7 @@ class TokenLoader:
             self._check_room(shard)
         self.total_tokens = sum(self.shard_tokens)
         self.batches_drawn = 0
+        self._staged = None  # (shard, position, batch): the batch there, already on its way to the device
         self._set_position(0, self._first_position(0))
 
     def _check_room(self, shard: int):
@@ -1527,8 +1538,16 @@ class TokenLoader:
         window = tokens_to_device(self.tokens[self.position: self.position + B * T + 1], self.device)
         return window[:-1].view(B, T), window[1:].view(B, T)
 
+    def prefetch(self):
+        """Start the next batch's copy to the device now, while the device is busy with earlier work, so that
+        next_batch hands it out without keeping the device waiting for the host to read and send it. The walk
+        does not move."""
+        if self._staged is None or self._staged[:2] != (self.shard, self.position):
+            self._staged = (self.shard, self.position, self._read_batch())
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self._read_batch()
+        staged, self._staged = self._staged, None
+        batch = staged[2] if staged is not None and staged[:2] == (self.shard, self.position) else self._read_batch()
         shard, position = self._advance(self.shard, self.position)
         if (shard, position) < (self.shard, self.position):  # back at the start: the same tokens again
             notice(f"{self.flag}: all {len(self.files)} shards ({self.total_tokens:,} tokens) have been read; "
@@ -2647,7 +2666,8 @@ def setup_run(args) -> Run:
     torch.manual_seed(args.seed)
     raw_model = GPT(config).to(env.device)
     compiled = env.device.type == "cuda" if args.compile is None else args.compile
-    compile_options = configure_compile(args.coordinate_descent_tuning, args.compile_mode) if compiled else None
+    compile_options = (configure_compile(args.coordinate_descent_tuning, args.combo_kernels, args.compile_mode)
+                       if compiled else None)
     optimizer = make_optimizer(raw_model, args, env.device, compile_options)
     average = WeightAverage(raw_model, args.ema_decay, args.ema_start) if args.ema_decay else None
     # What fixes the data walk, and what the evaluated model is.
@@ -2748,6 +2768,7 @@ def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
                 _, objective, aux = run.model(x, y, return_logits=False, drop_blocks=drop, local_window=window,
                                               extra_target_weights=extra_weights, sampled_softmax=sample)
             (objective / accumulation).backward()
+        run.train_loader.prefetch()  # the next micro-batch (the next step's first), read while this one runs
         step_loss += aux.pop("next_token_loss") / accumulation
         for name, value in aux.items():
             aux_means[name] = aux_means.get(name, 0) + value.float() / accumulation
@@ -2766,11 +2787,12 @@ def out_of_memory(where: str, B: int, T: int) -> InputError:
                       "double --grad_accumulation_steps (same tokens per step)")
 
 
-def configure_compile(coordinate_descent_tuning: bool, mode: str) -> dict:
-    """Sets inductor's process-wide tuning switch and returns torch.compile's keyword arguments for `mode`
-    (the trainer and scripts/profile_model.py compile the same way)."""
+def configure_compile(coordinate_descent_tuning: bool, combo_kernels: bool, mode: str) -> dict:
+    """Sets inductor's process-wide tuning and horizontal-fusion switches and returns torch.compile's keyword
+    arguments for `mode` (the trainer and scripts/profile_model.py compile the same way)."""
     import torch._inductor.config as inductor_config
     inductor_config.coordinate_descent_tuning = coordinate_descent_tuning
+    inductor_config.combo_kernels = combo_kernels
     return {} if mode == "default" else {"mode": mode}
 
 

@@ -107,9 +107,10 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
     torch.manual_seed(0)
     model = GPT(config).to(device)
     # The optimizer and compile settings the model trains with: NoCap's, or its recipe's (d12_fast: Muon +
-    # AdamW, no coordinate-descent tuning).
+    # AdamW, combo kernels, no coordinate-descent tuning).
     recipe = parse_args(["--model", args.model])
-    compile_options = configure_compile(recipe.coordinate_descent_tuning, args.compile_mode) if args.compile else None
+    compile_options = (configure_compile(recipe.coordinate_descent_tuning, recipe.combo_kernels, args.compile_mode)
+                       if args.compile else None)
     optimizer = make_optimizer(model, recipe, device, compile_options)
     # The head the model trains with: its recipe's sampled softmax unless --sampled_softmax says otherwise, checked
     # as the trainer checks it (columns that span the vocabulary leave the full softmax).

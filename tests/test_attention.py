@@ -1,14 +1,20 @@
 """The attention seam: grouped heads equal MHA, every backend equals the manual definition (windows, chunks,
-GQA), local layers see only their window, fallbacks say so once, and MLA and QK-norm do what they claim."""
+GQA), local layers see only their window, the chunked layers' kernel trains as SDPA does, fallbacks say so once,
+and MLA and QK-norm do what they claim."""
 
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
-from model_variants import D12, TINY, with_overrides
+import kernels
+from model_variants import D12, TINY, VARIANTS, with_overrides
 from train_gpt2 import GPT, causal_attention, causal_mask, compute_dtype
 
-from conftest import next_token_logit_grads, shrink
+from conftest import REPO, next_token_logit_grads, shrink
 
 # FlexAttention runs unfused on CPU and says so; that is expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -111,6 +117,78 @@ def test_chunked_local_layers_train_through_sdpa_and_match_manual(T):
     assert next_token_logit_grads(all_local, idx, 6)[0, :6].abs().sum() == 0
     assert next_token_logit_grads(all_local, idx, 5)[0, :6].abs().sum() > 0
     assert next_token_logit_grads(model.eval(), idx, 6)[0, :6].abs().sum() > 0
+
+
+CHUNKED_FIELDS = dict(vocab_size=64, n_layer=4, window=32, window_pattern="LLLG", window_kind="chunked",
+                      block_size=64)
+CHUNKED = with_overrides(TINY, **CHUNKED_FIELDS)
+
+
+@pytest.mark.skipif(kernels.triton is None, reason="Triton is not installed (pip install triton: requirements.txt "
+                                                    "has it on Linux)")
+def test_chunked_attention_kernel_trains_as_sdpa_does_and_compiles_whole(tmp_path):
+    # Under Triton's interpreter the CPU runs the kernel: in bf16 autocast a model's local layers (three of four)
+    # call it, and its loss and gradients are SDPA's up to bf16 rounding. Compiled, the kernel's custom ops stay
+    # whole: one graph, equal to eager.
+    child = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(REPO)!r})
+        import kernels
+        from model_variants import TINY, with_overrides
+        from train_gpt2 import GPT, causal_attention
+        CHUNKED = with_overrides(TINY, **{CHUNKED_FIELDS!r})
+        calls = []
+        kernel = kernels.block_attention
+        kernels.block_attention = lambda *args: calls.append(args[0].dtype) or kernel(*args)
+        runs = {{}}
+        for flag in (False, True):
+            torch.manual_seed(0)
+            model = GPT(with_overrides(CHUNKED, chunked_attention_kernel=flag))
+            idx = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+            with torch.autocast("cpu", torch.bfloat16):
+                loss = model(idx, idx)[1]
+            loss.backward()
+            runs[flag] = (loss.detach(), [p.grad for p in model.parameters()])
+        model_calls = list(calls)
+        attend = lambda q, k, v: causal_attention(q, k, v, "sdpa", 32, chunked=True, chunked_kernel=True)
+        q, k, v = (torch.randn(2, 64, 4, 16, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+        explained = torch._dynamo.explain(attend)(q, k, v)
+        compiled = torch.compile(attend)(q, k, v)
+        torch.save(dict(runs=runs, model_calls=model_calls, graphs=explained.graph_count,
+                        breaks=explained.graph_break_count, compiled=compiled, eager=attend(q, k, v)),
+                   {str(tmp_path / "out.pt")!r})
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = torch.load(tmp_path / "out.pt")
+    assert out["model_calls"] == [torch.bfloat16] * 3  # the local layers, in autocast's dtype; not the global one
+    (sdpa_loss, sdpa_grads), (kernel_loss, kernel_grads) = out["runs"][False], out["runs"][True]
+    torch.testing.assert_close(kernel_loss, sdpa_loss, rtol=1e-2, atol=0)
+    for kernel_grad, sdpa_grad in zip(kernel_grads, sdpa_grads):
+        if sdpa_grad.norm() > 0:
+            assert (kernel_grad - sdpa_grad).norm() / sdpa_grad.norm() < 0.02  # bf16's rounding: ~0.01
+    assert (out["graphs"], out["breaks"]) == (1, 0)
+    torch.testing.assert_close(out["compiled"], out["eager"], rtol=0, atol=0)
+
+
+def test_chunked_attention_kernel_falls_back_to_sdpa_where_it_cannot_run(monkeypatch):
+    # Without Triton's interpreter the CPU is no Triton device: the flag changes nothing, bit for bit.
+    monkeypatch.setattr(kernels, "INTERPRETING", False)
+    monkeypatch.setattr(kernels, "block_attention", lambda *args: pytest.fail("the kernel ran"))
+    torch.manual_seed(0)
+    plain = GPT(CHUNKED)
+    flagged = GPT(with_overrides(CHUNKED, chunked_attention_kernel=True))
+    flagged.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 64, (2, 64))
+    torch.testing.assert_close(flagged(idx, idx)[1], plain(idx, idx)[1], rtol=0, atol=0)
+
+
+def test_chunked_attention_kernel_needs_chunked_windows_through_sdpa():
+    for changes in (dict(window_kind="sliding"), dict(window=0), dict(attn_impl="flex")):
+        with pytest.raises(ValueError, match="chunked_attention_kernel runs the chunked local layers' attention"):
+            with_overrides(CHUNKED, chunked_attention_kernel=True, **changes)
+    assert VARIANTS["d12_fast"].chunked_attention_kernel and not VARIANTS["d12"].chunked_attention_kernel
 
 
 def test_sdpa_with_a_window_falls_back_with_one_notice(capsys):

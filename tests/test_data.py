@@ -126,6 +126,34 @@ def test_skip_replays_the_walk(tmp_path):
         torch.testing.assert_close(skipped.next_batch(), walked.next_batch())
 
 
+@pytest.mark.parametrize("aligned", [False, True])
+def test_prefetched_batches_are_the_walks_and_leave_it_alone(tmp_path, aligned):
+    # The trainer prefetches after each micro-batch: the batches are the same as without, the walk's state (what
+    # a checkpoint keeps) does not move until the batch is handed out, and a staged batch that the walk has
+    # moved past (a skip, a restored position) is never handed out.
+    if aligned:
+        _documents_shards(tmp_path, n_shards=2, n_docs=50)
+        make = lambda: AlignedTokenLoader(str(tmp_path / "doc_train_*.bin"), 2, 16, 0, 1, 256, CPU, BOS)
+    else:
+        train_glob, _ = make_shards(tmp_path, n_train=2, train_tokens=500)
+        make = lambda: TokenLoader(train_glob, 2, 16, 0, 1, 256, CPU)
+    plain, prefetching = make(), make()
+    reads = []
+    read = prefetching._read_batch
+    prefetching._read_batch = lambda: reads.append(prefetching.position) or read()
+    for n in range(40):  # past the end of the first shard
+        prefetching.prefetch()
+        state = (prefetching.shard, prefetching.position, prefetching.batches_drawn)
+        prefetching.prefetch()  # a second call stages nothing new
+        assert (prefetching.shard, prefetching.position, prefetching.batches_drawn) == state
+        torch.testing.assert_close(prefetching.next_batch(), plain.next_batch())
+    assert len(reads) == 40  # every batch was read once, when it was prefetched
+    prefetching.prefetch()
+    prefetching.skip(3)
+    plain.skip(3)
+    torch.testing.assert_close(prefetching.next_batch(), plain.next_batch())
+
+
 def test_shard_smaller_than_a_batch_round_is_refused(tmp_path):
     train_glob, _ = make_shards(tmp_path, n_train=1, train_tokens=100)
     with pytest.raises(InputError, match="fewer than one batch round"):

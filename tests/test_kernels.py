@@ -252,3 +252,122 @@ def test_relu2_kernel_compiles_for_an_h100_within_its_shared_memory(forward):
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     assert compiled.metadata.shared <= 232_448
+
+
+# -----------------------------------------------------------------------------
+# Block attention
+
+def block_inputs(B, H, T, D, dtype, heads_last: bool, seed: int):
+    """q, k, v, do as (B, H, T, D): views of (B, T, H, D) storage (the model's layout) or contiguous."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (B, T, H, D) if heads_last else (B, H, T, D)
+    tensors = [(torch.randn(*shape, generator=g, dtype=torch.float64) * 1.5).to(dtype) for _ in range(4)]
+    return [t.transpose(1, 2) if heads_last else t for t in tensors]
+
+
+@pytest.mark.parametrize("block", [4, 8, 24])
+def test_block_attention_contract_is_the_models_chunked_attention(block):
+    from train_gpt2 import causal_attention
+    q, k, v, _ = block_inputs(2, 3, 24, 8, torch.float64, heads_last=False, seed=block)
+    o, lse = kernels.block_attention_torch(q, k, v, block)
+    torch.testing.assert_close(o, causal_attention(q, k, v, "manual", block, chunked=True), rtol=1e-12, atol=1e-12)
+    # lse normalizes each query's scores over exactly the keys it may see: its block, up to itself.
+    scores = (q @ k.transpose(-2, -1)) / 8 ** 0.5
+    t = torch.arange(24)
+    for i in sorted({0, block - 1, min(block, 23), 23}):
+        seen = (t <= i) & (t // block == i // block)
+        torch.testing.assert_close(lse[:, :, i], torch.logsumexp(scores[:, :, i, seen], dim=-1))
+
+
+def test_block_attention_kernel_takes_16_bit_heads_in_whole_tiles(monkeypatch):
+    monkeypatch.setattr(kernels, "INTERPRETING", True)  # the CPU counts as a Triton device, with 16-wide tiles
+    monkeypatch.setattr(kernels, "triton", kernels.triton or object())
+    q, k, v, _ = block_inputs(1, 2, 64, 32, torch.bfloat16, heads_last=True, seed=0)
+    assert kernels.block_attention_kernel_takes(q, k, v, 32)
+    assert kernels.block_attention_kernel_takes(q, k, v, 16)  # a block of one tile
+    assert not kernels.block_attention_kernel_takes(q.float(), k.float(), v.float(), 32)  # fp32 (evaluation)
+    assert not kernels.block_attention_kernel_takes(q, k[:, :1], v[:, :1], 32)  # grouped key heads
+    assert not kernels.block_attention_kernel_takes(q, k, v, 24)  # a block that is not whole tiles
+    assert not kernels.block_attention_kernel_takes(q[:, :, :48], k[:, :, :48], v[:, :, :48], 32)  # T not blocks
+    assert not kernels.block_attention_kernel_takes(q[..., :24], k[..., :24], v[..., :24], 16)  # head_dim 24
+    strided = q.transpose(-2, -1).contiguous().transpose(-2, -1)  # head dimension not unit-stride
+    assert not kernels.block_attention_kernel_takes(strided, k, v, 32)
+    monkeypatch.setattr(kernels, "INTERPRETING", False)
+    assert not kernels.block_attention_kernel_takes(q, k, v, 64)  # CPU without the interpreter
+
+
+# (B, H, T, D, block, dtype, heads_last): several blocks of several tiles (the interpreter's tiles are 16
+# positions), a block of one tile, contiguous inputs, fp16 as well as bf16.
+BLOCK_CASES = [(2, 3, 96, 32, 32, torch.bfloat16, True), (1, 2, 64, 16, 64, torch.float16, False),
+               (2, 1, 48, 64, 16, torch.bfloat16, True)]
+
+
+@needs_triton
+def test_block_attention_kernel_matches_the_contract_under_the_interpreter(tmp_path):
+    cases = [block_inputs(B, H, T, D, dtype, heads_last, seed=i)
+             for i, (B, H, T, D, block, dtype, heads_last) in enumerate(BLOCK_CASES)]
+    torch.save([(case, spec[4]) for case, spec in zip(cases, BLOCK_CASES)], tmp_path / "cases.pt")
+    child = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(REPO)!r})
+        import kernels
+        out = []
+        for (q, k, v, do), block in torch.load({str(tmp_path / "cases.pt")!r}):
+            q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+            assert kernels.block_attention_kernel_takes(q, k, v, block)
+            o, lse = torch.ops.speedrun.block_attention(q, k, v, block)
+            out.append((o.detach(), lse, *torch.autograd.grad(o, (q, k, v), do)))
+        torch.save(out, {str(tmp_path / "out.pt")!r})
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for (B, H, T, D, block, dtype, _), (q, k, v, do), got in zip(BLOCK_CASES, cases, torch.load(tmp_path / "out.pt")):
+        wide = [t.double().requires_grad_(True) for t in (q, k, v)]
+        want_o, want_lse = kernels.block_attention_torch(*wide, block)
+        want = (want_o, want_lse, *torch.autograd.grad(want_o, wide, do.double()))
+        for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+            assert g.shape == w.shape and g.dtype == (torch.float32 if name == "lse" else dtype), name
+            # fp32 sums of 16-bit inputs; p and ds are rounded to 16 bits before their products, as every
+            # flash kernel does, and the interpreter's bf16 casts truncate: a few units in the last place.
+            tolerance = 2 ** -4 if dtype == torch.bfloat16 else 2 ** -7
+            scale = w.abs().max().item()
+            torch.testing.assert_close(g.double(), w.detach(), rtol=0, atol=tolerance * scale, msg=name)
+        # The outputs and gradients are stored heads-last, so merging the heads is a view.
+        for t in (got[0], *got[2:]):
+            assert t.transpose(1, 2).is_contiguous()
+
+
+def block_attention_build(backward: bool, arch: int):
+    """The CUDA build of a block-attention kernel for a GPU of `arch`, at the tiles and stages it launches with."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    tiles = kernels.BLOCK_ATTENTION_TILES["backward" if backward else "forward"]
+    names = (["q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "lse_ptr", "dq_ptr", "dk_ptr", "dv_ptr"] if backward
+             else ["q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr"])
+    signature = {name: "*fp32" if name == "lse_ptr" else "*bf16" for name in names}
+    for tensor in ("q", "k", "v", "d") if backward else ("q", "k", "v"):
+        signature.update({f"s{tensor}b": "i32", f"s{tensor}h": "i32", f"s{tensor}t": "i32"})
+    signature.update(H="i32", T="i32", sm_scale="fp32")
+    constexprs = dict(BLOCK=256, D=128, DOT_FP32=False,
+                      **{k: v for k, v in tiles.items() if k not in ("num_warps", "num_stages")})
+    signature.update({name: "constexpr" for name in constexprs})
+    kernel = kernels._block_attention_backward if backward else kernels._block_attention_forward
+    return kernels.triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]})
+
+
+# Shared memory one program may take: A100 163 KB, RTX 3090 / 4090 99 KB, H100 227 KB.
+SHARED_MEMORY = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", [80, 86, 89, 90])
+@pytest.mark.parametrize("backward", [False, True])
+def test_block_attention_kernels_compile_for_each_gpu_generation_within_its_shared_memory(arch, backward):
+    # Compiled without a GPU at the launch settings (more shared memory than the GPU has fails at launch: "out of
+    # resource: shared memory"); the products run on tensor cores (mma on Ampere and Ada, wgmma on Hopper).
+    compiled = block_attention_build(backward, arch)
+    assert compiled.metadata.shared <= SHARED_MEMORY[arch]
+    assert ("wgmma.mma_async" if arch == 90 else "mma.sync") in compiled.asm["ptx"]

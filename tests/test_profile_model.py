@@ -109,16 +109,19 @@ def test_the_compiled_step_gets_the_kernel_table(capsys):
 
 
 def test_the_profiled_compile_is_the_trainers(monkeypatch):
-    # The mode asked for, and the model's recipe's coordinate-descent setting (d12: on; d12_fast: off).
+    # The mode asked for, and the model's recipe's coordinate-descent and combo-kernel settings (d12: on, off;
+    # d12_fast: off, on).
     import torch._inductor.config as inductor_config
     calls = []
     monkeypatch.setattr(profile_model.torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)
     monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
+    monkeypatch.setattr(inductor_config, "combo_kernels", True)
     profile_model.profile(args_for("--compile", "--kernels", "0", "--compile_mode", "max-autotune-no-cudagraphs"))
-    assert calls == [{"mode": "max-autotune-no-cudagraphs"}] and inductor_config.coordinate_descent_tuning
+    assert calls == [{"mode": "max-autotune-no-cudagraphs"}]
+    assert inductor_config.coordinate_descent_tuning and not inductor_config.combo_kernels
     profile_model.profile(args_for("--model", "d12_fast", "--n_layer", "2", "--n_embd", "64", "--n_head", "2",
                                    "--compile", "--kernels", "0"))
-    assert calls[-1] == {} and not inductor_config.coordinate_descent_tuning
+    assert calls[-1] == {} and not inductor_config.coordinate_descent_tuning and inductor_config.combo_kernels
 
 
 def test_sync_each_step_waits_for_the_device_after_every_timed_step(monkeypatch):

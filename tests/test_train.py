@@ -528,6 +528,20 @@ def test_a_signal_during_an_evaluation_cuts_it_short_and_checkpoints(tmp_path, s
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "interrupted"
 
 
+def test_every_micro_batch_but_the_first_was_read_ahead_while_the_one_before_ran(tmp_path, shards, capsys,
+                                                                                monkeypatch):
+    import train_gpt2
+    handed_out = []
+    next_batch = train_gpt2.TokenLoader.next_batch
+
+    def recording(loader):
+        handed_out.append(loader._staged is not None and loader._staged[:2] == (loader.shard, loader.position))
+        return next_batch(loader)
+    monkeypatch.setattr(train_gpt2.TokenLoader, "next_batch", recording)
+    code, _, _ = run(capsys, shards, tmp_path, "run", "--grad_accumulation_steps", "2")
+    assert code == 0 and len(handed_out) > 4 and handed_out == [False] + [True] * (len(handed_out) - 1)
+
+
 def test_a_signal_during_the_compile_warm_up_stops_it_at_once(tmp_path, shards, capsys, monkeypatch):
     import train_gpt2
     monkeypatch.setattr(train_gpt2.torch, "compile", lambda model, **kwargs: model)  # the warm-up, not the compiler
@@ -560,14 +574,17 @@ def test_the_compile_mode_reaches_every_compiled_graph(tmp_path, shards, capsys,
         return fn
     monkeypatch.setattr(train_gpt2.torch, "compile", record)
     monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
+    monkeypatch.setattr(inductor_config, "combo_kernels", True)
     code, _, _ = run(capsys, shards, tmp_path, "run", "--compile", "--compile_mode", "max-autotune-no-cudagraphs",
                      "--optimizer", "muon", *extra)
     assert code == 0 and modes and set(modes) == {"max-autotune-no-cudagraphs"}
     assert "muon_update" in compiled  # Muon's update is compiled with the model
-    assert inductor_config.coordinate_descent_tuning  # the trainer's default, set for the process
+    # the trainer's defaults, set for the process
+    assert inductor_config.coordinate_descent_tuning and not inductor_config.combo_kernels
     modes.clear()
-    assert run(capsys, shards, tmp_path, "plain", "--compile", "--no-coordinate_descent_tuning", *extra)[0] == 0
-    assert set(modes) == {"default"} and not inductor_config.coordinate_descent_tuning
+    assert run(capsys, shards, tmp_path, "plain", "--compile", "--no-coordinate_descent_tuning", "--combo_kernels",
+               *extra)[0] == 0
+    assert set(modes) == {"default"} and not inductor_config.coordinate_descent_tuning and inductor_config.combo_kernels
     compiled.clear()
     assert run(capsys, shards, tmp_path, "eager", "--optimizer", "muon", *extra)[0] == 0
     assert compiled == []
@@ -865,6 +882,8 @@ def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
     assert (d12.normuon_beta2, d12.muon_orthogonalize) == (0.0, "newton_schulz")
     assert parse_args(["--model", "d12_fast", "--batch_size", "16"]).batch_size == 16
     assert d12.coordinate_descent_tuning and not fast.coordinate_descent_tuning  # on/off flags too
+    assert fast.combo_kernels and not d12.combo_kernels
+    assert not parse_args(["--model=d12_fast", "--no-combo_kernels"]).combo_kernels
     assert not parse_args(["--model=d12_fast", "--no-coordinate_descent_tuning"]).coordinate_descent_tuning
     assert parse_args(["--model=d12_fast", "--coordinate_descent_tuning"]).coordinate_descent_tuning
     mine = parse_args(["--model=d12_fast", "--optimizer", "adamw", "--lr_floor", "0"])
@@ -883,7 +902,7 @@ def test_list_models(capsys):
     assert rows.keys() == VARIANTS.keys()
     recipes = {line.split()[1]: line for line in lines if line.startswith("--model")}
     assert recipes["d12_fast"].startswith("--model d12_fast also sets: --optimizer muon")
-    assert recipes["d12_fast"].endswith(" --no-coordinate_descent_tuning")  # written as the flag is typed
+    assert recipes["d12_fast"].endswith(" --no-coordinate_descent_tuning --combo_kernels")  # as the flags are typed
     assert recipes["d12_nocap"] == ("--model d12_nocap also sets: --lr_schedule one_cycle --warmup_iters 1430 "
                                     "--curriculum_start 256 --curriculum_iters 954")
     assert rows["d12"].split()[5:7] == ["123.5M", "123.5M"]  # 50257*768 + 12*12*768^2, all active
