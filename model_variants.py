@@ -282,7 +282,7 @@ VARIANTS: dict[str, GPTConfig] = {
         # Three of four layers attend within aligned 256-token blocks, every fourth over the whole sequence:
         # fewer tokens to the same loss than full attention everywhere, and faster.
         window=256, window_pattern="LLLG", window_kind="chunked",
-        # Their blocks in the block-attention kernel: the same math in 2.4 ms less of the step than SDPA (cuDNN).
+        # Their blocks in the block-attention kernel: the same math, 2.4-3.6 ms less a step than SDPA (cuDNN).
         chunked_attention_kernel=True,
         # Rows of 4096 tokens (the recipe's sequence_length): the global layers learn to use 4x NoCap's context.
         block_size=4096),
@@ -332,8 +332,8 @@ RECIPES: dict[str, dict] = {
         # tokens to the same loss, at the cost of compiling each of the three windows.
         window_start=64, window_iters=10500,
         # Inductor's coordinate-descent tuning (NoCap's setting, d12's default) gains 0.4% tokens/s for 96 s
-        # more compile: off. Its combo kernels gain ~1% for ~30 s more: the step's first micro-batch opens with
-        # dozens of tiny casts, one launch each, faster than the host can launch them.
+        # more compile: off. Its combo kernels save ~1.3 ms a step for ~30 s more: the step's first micro-batch
+        # opens with dozens of tiny weight casts, which the GPU runs faster than the host launches them one by one.
         coordinate_descent_tuning=False, combo_kernels=True),
     # NoCap's baseline schedule (4,768 steps of 524,288 tokens, lr 1.8e-3) with two ideas of the user's plans
     # that paid on P100 together, and with the SwiGLU model: a one-cycle learning rate rising over the first 30%
