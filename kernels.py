@@ -345,13 +345,14 @@ def block_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blo
 
 
 # Tiles of 64 positions: forward 64 queries against 64 keys at a time, pipelined three deep; backward a program
-# for each tile's key gradients and another for its query gradients, unpipelined. On an H100 at d12_fast's shapes
+# for each tile's key gradients and another for its query gradients, unpipelined (one program for both ran 16%
+# slower). On an H100 at d12_fast's shapes
 # these ran fastest of tiles of 32-128 positions, 2-8 warps and 1-4 stages, and they take 40-72 KB of shared
 # memory, which every GPU from the A100 and RTX 3090 on has. The interpreter runs 16-position tiles, which puts
 # several tiles in each of the tests' small blocks.
 BLOCK_ATTENTION_TILES = {"forward": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
-                         "backward": dict(TILE=64, SPLIT=True, num_warps=4, num_stages=1)}
-BLOCK_ATTENTION_INTERPRETED_TILES = {"forward": dict(BLOCK_M=16, BLOCK_N=16), "backward": dict(TILE=16, SPLIT=True)}
+                         "backward": dict(TILE=64, num_warps=4, num_stages=1)}
+BLOCK_ATTENTION_INTERPRETED_TILES = {"forward": dict(BLOCK_M=16, BLOCK_N=16), "backward": dict(TILE=16)}
 
 
 def block_attention_tiles() -> dict:
@@ -408,7 +409,7 @@ def _block_attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     do = do if do.stride(-1) == 1 else do.contiguous()
     dq, dk, dv = (_heads_last(B, H, T, D, q) for _ in range(3))
     tiles = block_attention_tiles()["backward"]
-    grid = (T // tiles["TILE"] * (2 if tiles["SPLIT"] else 1), H, B)
+    grid = (2 * T // tiles["TILE"], H, B)  # each tile's keys, then each tile's queries
     _block_attention_backward[grid](q, k, v, o, do, lse, dq, dk, dv, *q.stride()[:3], *k.stride()[:3],
                                     *v.stride()[:3], *do.stride()[:3], H, T, 1 / math.sqrt(D), BLOCK=block, D=D,
                                     DOT_FP32=INTERPRETING, **tiles)
@@ -537,14 +538,15 @@ if triton is not None:
     @triton.jit
     def _block_attention_backward(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr,
                                   sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, H, T, sm_scale,
-                                  BLOCK: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
+                                  BLOCK: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                                   DOT_FP32: tl.constexpr):
-        """Programs over (tile, head, row): each tile's key gradients, then its query gradients; with SPLIT,
-        axis 0 has twice the tiles, the first half for keys and the second for queries. The recomputed scores
-        cost less than a general kernel's atomics or second pass. o, dq, dk and dv are stored as (B, T, H, D)."""
+        """Programs over (tile, head, row), axis 0 twice the tiles: the first half computes each tile's key
+        gradients, the second each tile's query gradients. Both recompute the scores they need, which costs
+        less than a general kernel's fp32 accumulation of dq across programs. o, dq, dk and dv are stored as
+        (B, T, H, D)."""
         tiles = T // TILE
         index = tl.program_id(0)
-        first = (index % tiles) * TILE if SPLIT else index * TILE
+        first = (index % tiles) * TILE
         h = tl.program_id(1)
         b = tl.program_id(2).to(tl.int64)
         heads_last = (b * T * H + h) * D  # offset of (b, 0, h, 0) in a (B, T, H, D) tensor
@@ -555,11 +557,11 @@ if triton is not None:
         lse_ptr += (b * H + h) * T
         scale = sm_scale * 1.4426950408889634  # log2(e): exp2 of scaled scores is exp of the scores
         block_start = first // BLOCK * BLOCK
-        if not SPLIT or index < tiles:
+        if index < tiles:
             _block_attention_key_grads(q_ptr, k_ptr, v_ptr, o_ptr + heads_last, do_ptr, lse_ptr, dk_ptr + heads_last,
                                        dv_ptr + heads_last, sqt, skt, svt, sdt, first, block_start, H * D, scale,
                                        sm_scale, BLOCK, D, TILE, DOT_FP32)
-        if not SPLIT or index >= tiles:
+        else:
             _block_attention_query_grads(q_ptr, k_ptr, v_ptr, o_ptr + heads_last, do_ptr, lse_ptr,
                                          dq_ptr + heads_last, sqt, skt, svt, sdt, first, block_start, H * D, scale,
                                          sm_scale, D, TILE, DOT_FP32)
