@@ -39,7 +39,8 @@ class GPTConfig:
     window_kind: str = "sliding"
     # The chunked layers' attention in one Triton kernel made for aligned blocks (kernels.block_attention)
     # instead of SDPA over the blocks taken as a batch: the same math, in fewer passes over q, k, v and their
-    # gradients. Where the kernel cannot run (no Triton, fp32 evaluation, grouped heads) SDPA runs.
+    # gradients. Where the kernel cannot run SDPA runs: a GPU without Triton (with a notice), fp32 evaluation,
+    # grouped key/value heads.
     chunked_attention_kernel: bool = False
     # Attention only within documents: a position sees the positions since the last doc_token at or before it
     # (GPT-2's <|endoftext|>, which begins every FineWeb document), as if each document were its own row.

@@ -606,8 +606,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=grouped)
         dense_mask_reason = "FlexAttention has no backward on CPU"
     elif window and chunked:
-        if chunked_kernel:  # SDPA's dtype under autocast, which a custom kernel does not apply by itself
-            q16, k16, v16 = (t.to(compute_dtype(q)) for t in (q, k, v))
+        if chunked_kernel and block_kernel_runs_on(q.device):
+            q16, k16, v16 = (t.to(compute_dtype(q)) for t in (q, k, v))  # SDPA's autocast, which a kernel lacks
             if kernels.block_attention_kernel_takes(q16, k16, v16, window):
                 return kernels.block_attention(q16, k16, v16, window)
         return chunked_attention(q, k, v, impl, window)
@@ -625,6 +625,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+
+
+def block_kernel_runs_on(device: torch.device) -> bool:
+    """Whether chunked_attention_kernel's Triton kernel can run on `device` (see kernels.triton_runs_on). A CUDA GPU
+    without Triton (torch's Windows builds) gets a notice that the chunked layers run SDPA; the CPU runs SDPA
+    silently, as every CPU path does."""
+    if kernels.triton_runs_on(device):
+        return True
+    if device.type == "cuda":
+        notice("chunked_attention_kernel: Triton is not installed, so the chunked layers' attention runs SDPA (the "
+               "same math, slower); pip install triton")
+    return False
 
 
 def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, chunk: int) -> torch.Tensor:

@@ -184,6 +184,17 @@ def test_chunked_attention_kernel_falls_back_to_sdpa_where_it_cannot_run(monkeyp
     torch.testing.assert_close(flagged(idx, idx)[1], plain(idx, idx)[1], rtol=0, atol=0)
 
 
+def test_a_gpu_without_triton_runs_the_chunked_layers_through_sdpa_with_one_notice(monkeypatch, capsys):
+    from train_gpt2 import block_kernel_runs_on
+    monkeypatch.setattr(kernels, "triton", None)
+    for _ in range(3):
+        assert not block_kernel_runs_on(torch.device("cuda"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["notice: chunked_attention_kernel: Triton is not installed, so the chunked layers' attention runs "
+                   "SDPA (the same math, slower); pip install triton"]
+    assert not block_kernel_runs_on(torch.device("cpu")) and capsys.readouterr().err == ""
+
+
 def test_chunked_attention_kernel_needs_chunked_windows_through_sdpa():
     for changes in (dict(window_kind="sliding"), dict(window=0), dict(attn_impl="flex")):
         with pytest.raises(ValueError, match="chunked_attention_kernel runs the chunked local layers' attention"):
