@@ -103,7 +103,8 @@ class GPTConfig:
     # instead of fp32: every elementwise pass over it (norms, residual adds, mixes) moves half the bytes. No
     # effect without autocast, so fp32 evaluation is unchanged.
     bf16_residual: bool = False
-    activation_checkpointing: bool = False  # recompute each block's forward during backward: less activation memory, one more forward pass
+    # Recompute each block's forward during backward: less activation memory, one more forward pass.
+    activation_checkpointing: bool = False
 
     def __post_init__(self):
         # Checked here so that every way of building a config (registry, CLI override, checkpoint)

@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("batch")
     g.add_argument("--batch_size", type=int, default=16,
-                   help="sequences per micro-batch per GPU; halve it (and double accumulation) if you run out of memory")
+                   help="sequences per micro-batch per GPU; halve it (and double accumulation) if you run out of "
+                        "memory")
     g.add_argument("--sequence_length", type=int, default=1024, help="tokens per sequence")
     g.add_argument("--curriculum_start", type=int, default=0,
                    help="sequence-length curriculum: train on rows of this many tokens first, doubling in equal "
@@ -2561,7 +2562,8 @@ def pick_device(flag: str, index: int = 0) -> torch.device:
 
 def check_device_fit(args, config: GPTConfig, env: Distributed):
     """Flags that depend on the device: the flash kernel's GPU generation, the memory cap, block_size."""
-    if config.attn_impl == "flash" and env.device.type == "cuda" and torch.cuda.get_device_capability(env.device) < (8, 0):
+    if (config.attn_impl == "flash" and env.device.type == "cuda"
+            and torch.cuda.get_device_capability(env.device) < (8, 0)):
         raise InputError("--attn_impl flash: this GPU has no flash-attention kernel (it needs sm80+, Ampere or "
                          "newer); use --attn_impl sdpa")
     if args.memory_cap_gib is not None:

@@ -332,7 +332,8 @@ def test_a_doc_mask_run_trains_and_records_the_setting(tmp_path, shards, capsys)
     import json
     from conftest import tiny_run_args
     from train_gpt2 import main
-    extra = ["--doc_mask", "true", "--attn_impl", "flex", "--doc_token", "7", "--window", "8", "--window_kind", "chunked"]
+    extra = ["--doc_mask", "true", "--attn_impl", "flex", "--doc_token", "7", "--window", "8",
+             "--window_kind", "chunked"]
     assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 0
     capsys.readouterr()
     config = json.loads((tmp_path / "run" / "config.json").read_text())["model_config"]
