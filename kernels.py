@@ -383,10 +383,17 @@ def _heads_last(B: int, H: int, T: int, D: int, like: torch.Tensor) -> torch.Ten
     return like.new_empty(B, T, H, D).transpose(1, 2)
 
 
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """t with unit stride along its last dimension, which the kernels' loads assume (a compiled graph chooses the
+    layouts of what it hands a custom op, and a gradient may arrive in any)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 @torch.library.custom_op("speedrun::block_attention", mutates_args=())
 def _block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, T, D = q.shape
+    q, k, v = (_unit_stride(t) for t in (q, k, v))
     o, lse = _heads_last(B, H, T, D, q), q.new_empty(B, H, T, dtype=torch.float32)
     tiles = block_attention_tiles()["forward"]
     grid = (T // tiles["BLOCK_M"], H, B)
@@ -406,7 +413,7 @@ def _block_attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  lse: torch.Tensor, do: torch.Tensor, block: int
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, H, T, D = q.shape
-    do = do if do.stride(-1) == 1 else do.contiguous()
+    q, k, v, do = (_unit_stride(t) for t in (q, k, v, do))
     dq, dk, dv = (_heads_last(B, H, T, D, q) for _ in range(3))
     tiles = block_attention_tiles()["backward"]
     grid = (2 * T // tiles["TILE"], H, B)  # each tile's keys, then each tile's queries
