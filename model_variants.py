@@ -99,6 +99,11 @@ class GPTConfig:
     # (previous token, token) and added to every block's input with a learned weight per block (from 0.1): the
     # stream gets the pair's identity, which attention would otherwise have to assemble (0: none).
     bigram_embed: int = 0
+    # Attention output gate (modded-nanogpt's sparse attention gate): each head's output is scaled by
+    # sigmoid(w · x[:attn_gate]), x the block's normalized input and w learned per head from zero (so every head
+    # starts at half). A head can then go silent where its context holds nothing for it, which a chunked layer's
+    # block start, with no earlier token to rest its attention on, otherwise cannot (0: no gate).
+    attn_gate: int = 0
     # The residual stream (embedding stream, block outputs, skips) in autocast's dtype (bf16 in GPU training)
     # instead of fp32: every elementwise pass over it (norms, residual adds, mixes) moves half the bytes. No
     # effect without autocast, so fp32 evaluation is unchanged.
@@ -113,9 +118,11 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("n_kv_head", "window", "kv_lora_rank", "moe_experts", "mtp_k", "value_embeds",
-                     "bigram_embed"):
+                     "bigram_embed", "attn_gate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.attn_gate > self.n_embd:
+            raise ValueError(f"attn_gate={self.attn_gate} reads more dimensions than the stream has (n_embd={self.n_embd})")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}; "
                              f"pick n_head from {_divisors(self.n_embd)}")

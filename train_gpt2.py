@@ -699,9 +699,14 @@ class Attention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.config, self.layer, self.window = config, layer, config.layer_window(layer)
+        # GPTConfig.attn_gate: one gate logit per head from the input's first attn_gate dimensions.
+        self.gate = nn.Linear(config.attn_gate, config.n_head, bias=False) if config.attn_gate else None
+        if self.gate is not None:
+            nn.init.zeros_(self.gate.weight)
 
-    def attend(self, q, k, v, masking: Masking | None = None, cache: KVCache | None = None) -> torch.Tensor:
-        """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) -> (B, T, n_embd)."""
+    def attend(self, q, k, v, x, masking: Masking | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) -> (B, T, n_embd); x (B, T, n_embd)
+        is the layer's input, which the gate reads."""
         c = self.config
         if cache is not None:
             y = cached_attention(q, k, v, self.layer, self.window, c.chunked_windows, cache)
@@ -711,7 +716,10 @@ class Attention(nn.Module):
             y = causal_attention(q, k, v, c.attn_impl, window, masking.block_masks and masking.block_masks[window],
                                  c.chunked_windows, masking.docs, c.chunked_attention_kernel)
         B, _, T, _ = q.shape
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, c.n_embd))
+        y = y.transpose(1, 2)  # (B, T, n_head, head_dim)
+        if self.gate is not None:
+            y = y * torch.sigmoid(self.gate(x[..., :c.attn_gate])).unsqueeze(-1)
+        return self.c_proj(y.reshape(B, T, c.n_embd))
 
 
 class CausalSelfAttention(Attention):
@@ -748,7 +756,7 @@ class CausalSelfAttention(Attention):
         if self.ve_mix is not None:
             v = self.ve_mix[0] * v + self.ve_mix[1] * ve.view_as(v).to(v.dtype)  # the table is fp32 under autocast
         values = v
-        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking, cache), values
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), x, masking, cache), values
 
 
 class LatentAttention(Attention):
@@ -779,7 +787,7 @@ class LatentAttention(Attention):
         k = torch.cat([k_nope, k_rope.expand(B, T, c.n_head, c.mla_rope_dim)], dim=-1)
         if c.qk_norm:
             q, k = rms_norm(q, c.norm_eps), rms_norm(k, c.norm_eps)
-        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking, cache), None
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), x, masking, cache), None
 
 
 def mlp_activation(h: torch.Tensor, act: str) -> torch.Tensor:
@@ -1920,12 +1928,19 @@ def newton_schulz(updates: torch.Tensor, coefficients: tuple[tuple[float, float,
 
 def muon_params(model: GPT) -> list[nn.Parameter]:
     """The hidden weight matrices Muon orthogonalizes: every Linear inside the blocks (attention, MLP,
-    the MTP projections) but the MoE router. Embeddings, the head, gains and 3-D expert stacks stay
-    with AdamW, as in the modded-nanogpt recipes."""
+    the MTP projections) but the MoE router and the attention gates. Embeddings, the head, gains, gates and
+    3-D expert stacks stay with AdamW, as in the modded-nanogpt recipes."""
     hidden = [m.weight for m in model.transformer.h.modules() if isinstance(m, nn.Linear)]
     hidden += [m.weight for m in model.mtp_proj]
-    routers = {id(m.router.weight) for m in model.modules() if isinstance(m, MoE)}
-    return [p for p in hidden if id(p) not in routers]
+    excluded = {id(m.router.weight) for m in model.modules() if isinstance(m, MoE)}
+    excluded |= {id(p) for p in attention_gates(model)}
+    return [p for p in hidden if id(p) not in excluded]
+
+
+def attention_gates(model: GPT) -> list[nn.Parameter]:
+    """The attention gates' weights (GPTConfig.attn_gate): a few logits' worth of mixing weights, trained
+    with the scalars."""
+    return [block.attn.gate.weight for block in model.transformer.h if block.attn.gate is not None]
 
 
 def make_optimizer(model: GPT, args, device: torch.device, compile_options: dict | None = None) -> Optimizers:
@@ -1946,13 +1961,13 @@ def make_optimizer(model: GPT, args, device: torch.device, compile_options: dict
     hidden = muon_params(model)
     taken = {id(p) for p in hidden}
     # AdamW groups, each with its own peak: untied input, value and bigram embeddings, then vectors and scalars
-    # (gains, mixing weights), then the rest (the head, routers, expert stacks).
+    # (gains, mixing weights, attention gates), then the rest (the head, routers, expert stacks).
     embeddings = [] if model.config.tie_embeddings else [model.transformer.wte.weight]
     embeddings += [model.transformer.wpe.weight] if model.config.pos == "learned" else []
     embeddings += [table.weight for table in model.value_embeds]
     embeddings += [model.bigram_embed.weight] if model.bigram_embed is not None else []
     taken |= {id(p) for p in embeddings}
-    scalars = [p for p in model.parameters() if p.ndim < 2 and id(p) not in taken]
+    scalars = [p for p in model.parameters() if p.ndim < 2 and id(p) not in taken] + attention_gates(model)
     taken |= {id(p) for p in scalars}
     rest = [p for p in model.parameters() if id(p) not in taken]
     groups = [dict(params=rest, lr=args.learning_rate),

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# tokens/s of models at their FineWeb defaults, the protocol of docs/RESULTS.md's throughput rows: 14 optimizer
+# tokens/s of models at their FineWeb defaults, the protocol of docs/RESULTS.md's throughput rows: 40 optimizer
 # steps at each model's own batch (its recipe's: 2 micro-batches of 8x4096 for d12_fast) on the P40 proxy
 # shards, 4 warmup and 4 cooldown steps, one 16k-token evaluation at the end, no coordinate-descent tuning, under
 # a GPU memory cap (default 22 GiB: does it fit a 24 GB card?), at the full attention window (a recipe's window
-# warmup off: 14 steps measure the steady state, not its first stage). tokens/s is the trainer's median over
-# steps 11-14; the compile time is reported beside it, never inside it.
+# warmup off: the run measures the steady state, not its first stage). tokens/s is the trainer's median over
+# steps 11-40, thirty steps, so that an occasional slow step (a host hiccup) moves it little; the compile time
+# is reported beside it, never inside it.
 #   bash scripts/throughput.sh DATA_DIR [MODEL ...] [-- extra train_gpt2.py flags]
 # DATA_DIR holds mix_train_000001.bin, mix_train_000002.bin and mix_val_000000.bin (decompressed from
 # ../shared/data/proxy). Default model: d12_fast. MEMORY_CAP_GIB=none drops the cap (CPU runs).
@@ -28,10 +29,10 @@ runs=()
 for model in "${models[@]}"; do
   python3 train_gpt2.py --model "$model" \
     --input_bin "$data/mix_train_00000[12].bin" --input_val_bin "$data/mix_val_000000.bin" \
-    --num_iterations 14 --warmup_iters 4 --warmdown_iters 4 --val_loss_every 0 --val_tokens 16384 \
+    --num_iterations 40 --warmup_iters 4 --warmdown_iters 4 --val_loss_every 0 --val_tokens 16384 \
     --target_val_loss 0 --window_start 0 --window_iters 0 "${cap[@]}" --no-coordinate_descent_tuning \
     --output_dir "$output_dir" --run_name "$model" "$@"
   runs+=("$output_dir/$model")
 done
-# 14 steps say nothing about loss: read the tokens/s, MFU, peak memory and compile columns.
+# 40 steps say nothing about loss: read the tokens/s, MFU, peak memory and compile columns.
 python3 scripts/compare_runs.py "${runs[@]}" --target first

@@ -74,7 +74,7 @@ def test_ablate_sh_runs_the_p40_protocol_for_each_model(tmp_path):
         assert (args["num_iterations"], args["learning_rate"]) == (8, 1e-2)
 
 
-def test_throughput_sh_runs_the_14_step_protocol_for_each_model(tmp_path):
+def test_throughput_sh_runs_the_40_step_protocol_for_each_model(tmp_path):
     data = tmp_path / "p40"
     make_shards(data, prefix="mix")
     result = bash("scripts/throughput.sh", str(data), "tiny", "d12_fast", "--", "--vocab_size", "256",
@@ -87,10 +87,10 @@ def test_throughput_sh_runs_the_14_step_protocol_for_each_model(tmp_path):
         run_dir = next((tmp_path / "logs").glob(f"throughput-*/{model}"))
         args = json.loads((run_dir / "config.json").read_text())["args"]
         assert (args["num_iterations"], args["warmup_iters"], args["warmdown_iters"], args["val_loss_every"]) == \
-            (14, 4, 4, 0)
+            (40, 4, 4, 0)
         assert args["coordinate_descent_tuning"] is False and args["memory_cap_gib"] is None
         assert (args["window_start"], args["window_iters"]) == (0, 0)  # d12_fast's window warmup off: full window
-        assert json.loads((run_dir / "summary.json").read_text())["steps"] == 14
+        assert json.loads((run_dir / "summary.json").read_text())["steps"] == 40
     assert bash("scripts/throughput.sh", str(tmp_path / "missing")).returncode == 2
 
 

@@ -169,7 +169,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     from model_variants import TINY, with_overrides
     from train_gpt2 import GPT, make_optimizer
     model = GPT(with_overrides(TINY, vocab_size=64, norm="rms_gain", moe_experts=2, moe_topk=1, moe_layers="1",
-                               mtp_k=1))
+                               mtp_k=1, attn_gate=4))
     args = build_parser().parse_args(["--optimizer", "muon", "--muon_lr", "0.05", "--learning_rate", "0.003"])
     muon, adamw = make_optimizer(model, args, torch.device("cpu")).optimizers
     muon_names = {n for n, p in model.named_parameters() if any(p is q for q in muon.param_groups[0]["params"])}
@@ -199,7 +199,7 @@ def test_muon_recipe_gives_embeddings_and_scalars_their_own_adamw_groups():
     from model_variants import TINY, with_overrides
     from train_gpt2 import GPT, make_optimizer
     model = GPT(with_overrides(TINY, vocab_size=64, tie_embeddings=False, norm="rms_gain", x0_mix=True,
-                               value_residual=True, unet_skips=True, value_embeds=1, bigram_embed=1))
+                               value_residual=True, unet_skips=True, value_embeds=1, bigram_embed=1, attn_gate=4))
     args = build_parser().parse_args(["--optimizer", "muon", "--learning_rate", "0.003", "--embed_lr", "0.3",
                                       "--scalar_lr", "0.04", "--weight_decay", "0.1"])
     groups = make_optimizer(model, args, torch.device("cpu")).optimizers[1].param_groups
@@ -209,6 +209,7 @@ def test_muon_recipe_gives_embeddings_and_scalars_their_own_adamw_groups():
     assert by_lr[0.3] == ({"transformer.wte.weight", "value_embeds.0.weight", "bigram_embed.weight"}, 0.1)
     assert by_lr[0.04] == ({"skip_weights", "bigram_mix", "transformer.h.0.x_mix", "transformer.h.1.x_mix",
                             "transformer.h.1.attn.v_mix", "transformer.h.0.attn.ve_mix", "transformer.h.1.attn.ve_mix",
+                            "transformer.h.0.attn.gate.weight", "transformer.h.1.attn.gate.weight",
                             "transformer.h.0.norm_attn.weight",
                             "transformer.h.0.norm_mlp.weight", "transformer.h.1.norm_attn.weight",
                             "transformer.h.1.norm_mlp.weight", "norm_f.weight"}, 0.0)
