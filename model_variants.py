@@ -122,7 +122,8 @@ class GPTConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.attn_gate > self.n_embd:
-            raise ValueError(f"attn_gate={self.attn_gate} reads more dimensions than the stream has (n_embd={self.n_embd})")
+            raise ValueError(f"attn_gate={self.attn_gate} reads more dimensions than the stream has "
+                             f"(n_embd={self.n_embd})")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}; "
                              f"pick n_head from {_divisors(self.n_embd)}")
