@@ -101,8 +101,8 @@ class GPTConfig:
     bigram_embed: int = 0
     # Attention output gate (modded-nanogpt's sparse attention gate): each head's output is scaled by
     # sigmoid(w · x[:attn_gate]), x the block's normalized input and w learned per head from zero (so every head
-    # starts at half). A head can then go silent where its context holds nothing for it, which a chunked layer's
-    # block start, with no earlier token to rest its attention on, otherwise cannot (0: no gate).
+    # starts at half). A head can then go quiet where its context holds nothing for it, as at a chunked layer's
+    # block start, where there is no earlier token to rest its attention on (0: no gate).
     attn_gate: int = 0
     # The residual stream (embedding stream, block outputs, skips) in autocast's dtype (bf16 in GPU training)
     # instead of fp32: every elementwise pass over it (norms, residual adds, mixes) moves half the bytes. No
