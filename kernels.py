@@ -183,25 +183,29 @@ if triton is not None:
 # A product with ReLU² in its epilogue
 #
 # Contract, for a (M, K) and b (K, N) of one floating dtype (b may be a transposed view):
-#   forward, pre=None:  returns (product, post): product = a @ b, post = relu(product)² computed from the
-#                       rounded product in fp32, both in a's dtype;
-#   backward, pre (M, N) given: returns (a @ b, rounded to a's dtype) * 2 * relu(pre), computed in fp32,
-#                       in a's dtype: the gradient of relu(pre)² when a @ b is the gradient of its output.
-# Rounding the product before the epilogue reproduces the unfused math: its product is stored in a's dtype too.
+#   forward, post=None:  returns post = relu(a @ b)², squared in fp32 from the product rounded to a's dtype,
+#                        in a's dtype;
+#   backward, post (M, N) given: returns (a @ b, rounded to a's dtype) * 2 * sqrt(post), computed in fp32, in
+#                        a's dtype: the gradient of relu(pre)² when a @ b is the gradient of its output and
+#                        post = relu(pre)², since relu(pre) = sqrt(post).
+# The forward's output is all the backward needs, so the product itself is neither written nor kept: one
+# (M, N) tensor less per layer in memory and in the forward's stores. Rounding the product before the square
+# reproduces the unfused math, which stores the product in a's dtype too; the square root of the rounded square
+# is within a 16-bit rounding of relu(pre).
 
 
-def relu2_product_torch(a: torch.Tensor, b: torch.Tensor, pre: torch.Tensor | None = None):
+def relu2_product_torch(a: torch.Tensor, b: torch.Tensor, post: torch.Tensor | None = None) -> torch.Tensor:
     """The contract above in torch ops (float64 inputs computed in float64)."""
     product = a @ b
     wide = torch.promote_types(a.dtype, torch.float32)
-    if pre is None:
-        return product, F.relu(product.to(wide)).square().to(a.dtype)
-    return (product.to(wide) * (2 * F.relu(pre.to(wide)))).to(a.dtype)
+    if post is None:
+        return F.relu(product.to(wide)).square().to(a.dtype)
+    return (product.to(wide) * (2 * post.to(wide).sqrt())).to(a.dtype)
 
 
 # Tiles for an H100 (sm_90, 228 KB of shared memory per SM): 128 x 256 outputs per tile, 64 of K at a time, one
 # persistent program per SM, with four stages of loads in flight forward and three backward, whose epilogue
-# stages pre's blocks in shared memory too. The interpreter runs smaller tiles, which also puts several tiles in
+# stages post's blocks in shared memory too. The interpreter runs smaller tiles, which also puts several tiles in
 # each dimension of the tests' small products.
 RELU2_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8)
 RELU2_STAGES = {"forward": 4, "backward": 3}
@@ -224,74 +228,72 @@ def processor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def relu2_product(a: torch.Tensor, b: torch.Tensor, pre: torch.Tensor | None = None):
+def relu2_product(a: torch.Tensor, b: torch.Tensor, post: torch.Tensor | None = None) -> torch.Tensor:
     """The contract above: the Triton kernel where it can take a and b (relu2_kernel_takes), else the torch
     version. The kernel runs inside custom ops, which torch.compile keeps whole: traced, its descriptors and
     the alignment checks would need the tensors' addresses."""
-    if pre is None:
-        return tuple(torch.ops.speedrun.relu2_forward(a, b))
-    return torch.ops.speedrun.relu2_backward(a, b, pre)
+    if post is None:
+        return torch.ops.speedrun.relu2_forward(a, b)
+    return torch.ops.speedrun.relu2_backward(a, b, post)
 
 
 @torch.library.custom_op("speedrun::relu2_forward", mutates_args=())
-def _relu2_forward(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _relu2_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _relu2_kernel(a, b, None) if relu2_kernel_takes(a, b) else relu2_product_torch(a, b)
 
 
 @_relu2_forward.register_fake
 def _(a, b):
-    product = a.new_empty(a.size(0), b.size(1))
-    return product, torch.empty_like(product)
-
-
-@torch.library.custom_op("speedrun::relu2_backward", mutates_args=())
-def _relu2_backward(a: torch.Tensor, b: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    return _relu2_kernel(a, b, pre) if relu2_kernel_takes(a, b) else relu2_product_torch(a, b, pre)
-
-
-@_relu2_backward.register_fake
-def _(a, b, pre):
     return a.new_empty(a.size(0), b.size(1))
 
 
-def _relu2_kernel(a: torch.Tensor, b: torch.Tensor, pre: torch.Tensor | None):
-    """Launches the kernel on inputs that relu2_kernel_takes: (product, post) forward, the gradient backward."""
+@torch.library.custom_op("speedrun::relu2_backward", mutates_args=())
+def _relu2_backward(a: torch.Tensor, b: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+    return _relu2_kernel(a, b, post) if relu2_kernel_takes(a, b) else relu2_product_torch(a, b, post)
+
+
+@_relu2_backward.register_fake
+def _(a, b, post):
+    return a.new_empty(a.size(0), b.size(1))
+
+
+def _relu2_kernel(a: torch.Tensor, b: torch.Tensor, post: torch.Tensor | None) -> torch.Tensor:
+    """Launches the kernel on inputs that relu2_kernel_takes: post forward, the gradient backward."""
     M, K = a.shape
     N = b.size(1)
-    forward = pre is None
+    forward = post is None
     tiles = RELU2_INTERPRETED_TILES if INTERPRETING else {
         **RELU2_TILES, "num_stages": RELU2_STAGES["forward" if forward else "backward"]}
     bm, bn, bk = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
     b_transposed = b.stride(1) != 1  # b is (N, K) row-major, seen as its transpose
     out = torch.empty(M, N, dtype=a.dtype, device=a.device)
-    pre = torch.empty_like(out) if forward else pre.contiguous()  # forward: the kernel writes the product here
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
     b_desc = TensorDescriptor.from_tensor(b.t(), [bn, bk]) if b_transposed else \
         TensorDescriptor.from_tensor(b, [bk, bn])
     # The epilogue stores each tile in two halves of its columns, which halves the staging buffer it needs.
-    out_desc, pre_desc = (TensorDescriptor.from_tensor(t, [bm, bn // 2]) for t in (out, pre))
+    out_desc = TensorDescriptor.from_tensor(out, [bm, bn // 2])
+    post_desc = out_desc if forward else TensorDescriptor.from_tensor(post.contiguous(), [bm, bn // 2])
     programs = min(processor_count(a.device), triton.cdiv(M, bm) * triton.cdiv(N, bn))
-    _relu2_product_tiles[(programs,)](a_desc, b_desc, out_desc, pre_desc, M, N, K, FORWARD=forward,
+    _relu2_product_tiles[(programs,)](a_desc, b_desc, out_desc, post_desc, M, N, K, FORWARD=forward,
                                       B_TRANSPOSED=b_transposed, DOT_FP32=INTERPRETING, PROGRAMS=programs, **tiles)
-    return (pre, out) if forward else out
+    return out
 
 
 if triton is not None:
     @triton.jit
-    def _relu2_epilogue(product, out_desc, pre_desc, row, col, FORWARD: tl.constexpr):
-        """Stores one block of the tile: forward the product and its ReLU², backward the product times
-        ReLU²'s derivative at pre."""
-        product = product.to(out_desc.dtype)
+    def _relu2_epilogue(product, out_desc, post_desc, row, col, FORWARD: tl.constexpr):
+        """Stores one block of the tile: forward the product's ReLU², backward the product times ReLU²'s
+        derivative, read from post (forward, post_desc is out_desc and goes unread)."""
+        product = product.to(out_desc.dtype).to(tl.float32)
         if FORWARD:
-            pre_desc.store([row, col], product)
-            relu = tl.maximum(product.to(tl.float32), 0.0)
+            relu = tl.maximum(product, 0.0)
             out_desc.store([row, col], (relu * relu).to(out_desc.dtype))
         else:
-            relu = tl.maximum(pre_desc.load([row, col]).to(tl.float32), 0.0)
-            out_desc.store([row, col], (product.to(tl.float32) * (2.0 * relu)).to(out_desc.dtype))
+            relu = tl.sqrt(post_desc.load([row, col]).to(tl.float32))
+            out_desc.store([row, col], (product * (2.0 * relu)).to(out_desc.dtype))
 
     @triton.jit
-    def _relu2_product_tiles(a_desc, b_desc, out_desc, pre_desc, M, N, K, FORWARD: tl.constexpr,
+    def _relu2_product_tiles(a_desc, b_desc, out_desc, post_desc, M, N, K, FORWARD: tl.constexpr,
                              B_TRANSPOSED: tl.constexpr, DOT_FP32: tl.constexpr, PROGRAMS: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Persistent: each program takes every PROGRAMS-th tile of the output, row of tiles by row of tiles, so
@@ -315,8 +317,8 @@ if triton is not None:
                 else:
                     acc = tl.dot(a, b, acc)
             left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            _relu2_epilogue(left, out_desc, pre_desc, row, col, FORWARD)
-            _relu2_epilogue(right, out_desc, pre_desc, row, col + BLOCK_N // 2, FORWARD)
+            _relu2_epilogue(left, out_desc, post_desc, row, col, FORWARD)
+            _relu2_epilogue(right, out_desc, post_desc, row, col + BLOCK_N // 2, FORWARD)
 
 
 # -----------------------------------------------------------------------------

@@ -836,23 +836,24 @@ def fused_relu2_runs(x: torch.Tensor) -> bool:
 class ReLU2MLP(torch.autograd.Function):
     """c_proj(relu(c_fc(x))²) with the ReLU² in the first product's epilogue and its derivative in the epilogue
     of the backward's product through c_proj (kernels.relu2_product). Autograd's version passes over the
-    (tokens, hidden) activations once more each way. Saves the product and its square, as autograd does.
-    Products in `dtype` (bf16 under autocast); gradients returned in the inputs' dtypes."""
+    (tokens, hidden) activations once more each way. Saves only the square, which the backward's product
+    needs anyway: relu(c_fc(x)) is its square root, so the product c_fc(x) is never stored (autograd's version
+    keeps both). Products in `dtype` (bf16 under autocast); gradients returned in the inputs' dtypes."""
 
     @staticmethod
     def forward(ctx, x, w_fc, w_proj, dtype: torch.dtype):
         rows = x.to(dtype).reshape(-1, x.size(-1))
         w_fc_c, w_proj_c = w_fc.to(dtype), w_proj.to(dtype)
-        pre, post = kernels.relu2_product(rows, w_fc_c.t())
-        ctx.save_for_backward(rows, w_fc_c, w_proj_c, pre, post)
+        post = kernels.relu2_product(rows, w_fc_c.t())
+        ctx.save_for_backward(rows, w_fc_c, w_proj_c, post)
         ctx.dtypes = (x.dtype, w_fc.dtype, w_proj.dtype)
         return (post @ w_proj_c.t()).view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad_out):
-        rows, w_fc_c, w_proj_c, pre, post = ctx.saved_tensors
+        rows, w_fc_c, w_proj_c, post = ctx.saved_tensors
         grad_rows = grad_out.reshape(-1, grad_out.size(-1)).to(w_proj_c.dtype)
-        grad_pre = kernels.relu2_product(grad_rows, w_proj_c, pre)
+        grad_pre = kernels.relu2_product(grad_rows, w_proj_c, post)
         grad_x = (grad_pre @ w_fc_c).view(*grad_out.shape[:-1], -1)
         grad_w_fc, grad_w_proj = grad_pre.t() @ rows, grad_rows.t() @ post
         x_dtype, w_fc_dtype, w_proj_dtype = ctx.dtypes

@@ -147,25 +147,26 @@ def test_triton_kernel_compiles_for_each_gpu_generation_with_the_fast_tanh(arch,
 
 def relu2_inputs(M: int, K: int, N: int, dtype=torch.float64, seed: int = 0):
     """a (M, K); w_fc (N, K), a Linear's weight, which the forward's product takes transposed; w_proj (K, N),
-    row-major as c_proj's weight is in the backward's product; pre (M, N)."""
+    row-major as c_proj's weight is in the backward's product; post (M, N), a forward's ReLU² (zero in about
+    half its entries)."""
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(M, K, generator=g, dtype=torch.float64).to(dtype)
     w_fc = torch.randn(N, K, generator=g, dtype=torch.float64).to(dtype)
     w_proj = torch.randn(K, N, generator=g, dtype=torch.float64).to(dtype)
-    pre = torch.randn(M, N, generator=g, dtype=torch.float64).to(dtype) * 4
-    return a, w_fc, w_proj, pre
+    post = F.relu(torch.randn(M, N, generator=g, dtype=torch.float64) * 4).square().to(dtype)
+    return a, w_fc, w_proj, post
 
 
 def test_relu2_torch_contract_is_the_square_and_autograds_gradient():
     a, w_fc, w_proj, _ = relu2_inputs(12, 8, 24)
-    pre, post = kernels.relu2_product_torch(a, w_fc.t())
-    torch.testing.assert_close(pre, a @ w_fc.t(), rtol=0, atol=0)
+    pre = a @ w_fc.t()
+    post = kernels.relu2_product_torch(a, w_fc.t())
     torch.testing.assert_close(post, F.relu(pre) ** 2, rtol=0, atol=0)
     assert (post == 0).any() and (post > 0).any()  # both sides of the ReLU
-    # Backward: a @ w_proj is the gradient w.r.t. post; the contract gives the gradient w.r.t. pre.
+    # Backward: a @ w_proj is the gradient w.r.t. post; the contract gives the gradient w.r.t. pre from post.
     leaf = pre.clone().requires_grad_(True)
     (F.relu(leaf).square() * (a @ w_proj)).sum().backward()
-    torch.testing.assert_close(kernels.relu2_product_torch(a, w_proj, pre), leaf.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(kernels.relu2_product_torch(a, w_proj, post), leaf.grad, rtol=1e-12, atol=1e-12)
 
 
 @needs_triton
@@ -198,24 +199,23 @@ def test_relu2_kernel_matches_the_torch_version_under_the_interpreter(tmp_path):
         sys.path.insert(0, {str(REPO)!r})
         import kernels
         out = []
-        for a, w_fc, w_proj, pre in torch.load({str(tmp_path / "cases.pt")!r}):
+        for a, w_fc, w_proj, post in torch.load({str(tmp_path / "cases.pt")!r}):
             ran = kernels.relu2_kernel_takes(a, w_fc.t()), kernels.relu2_kernel_takes(a, w_proj)
-            out.append((ran, kernels.relu2_product(a, w_fc.t()), kernels.relu2_product(a, w_proj, pre)))
+            out.append((ran, kernels.relu2_product(a, w_fc.t()), kernels.relu2_product(a, w_proj, post)))
         torch.save(out, {str(tmp_path / "out.pt")!r})
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     results = torch.load(tmp_path / "out.pt")
-    for (M, K, N, dtype), (a, w_fc, w_proj, pre), (ran, (got_pre, got_post), got_grad) in zip(RELU2_CASES, cases,
-                                                                                             results):
+    for (M, K, N, dtype), (a, w_fc, w_proj, post), (ran, got_post, got_grad) in zip(RELU2_CASES, cases, results):
         assert ran == ((N * 2) % 16 == 0,) * 2  # the kernel ran wherever the output rows are 16-byte units
         # The contract with the sums in float64 (torch's 16-bit products on CPU round differently from GPUs'),
         # each product rounded to 16 bits before its epilogue.
-        want_pre = (a.double() @ w_fc.t().double()).to(dtype)
-        want_post = F.relu(want_pre.double()).square().to(dtype)
-        want_grad = ((a.double() @ w_proj.double()).to(dtype).double() * 2 * F.relu(pre.double())).to(dtype)
-        for got, want in ((got_pre, want_pre), (got_post, want_post), (got_grad, want_grad)):
+        product = (a.double() @ w_fc.t().double()).to(dtype).double()
+        want_post = F.relu(product).square().to(dtype)
+        want_grad = ((a.double() @ w_proj.double()).to(dtype).double() * 2 * post.double().sqrt()).to(dtype)
+        for got, want in ((got_post, want_post), (got_grad, want_grad)):
             assert got.dtype == dtype and got.shape == (M, N)
             # fp32 sums against exact ones, and the interpreter's bf16 casts truncate (Triton 3.9): a product
             # may sit one unit in the last place off (2^-7 relative), its square or gradient two units more
@@ -224,7 +224,9 @@ def test_relu2_kernel_matches_the_torch_version_under_the_interpreter(tmp_path):
             torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -5, atol=1e-3)
             if dtype == torch.float16:
                 assert (got == want).float().mean() > 0.9
-        assert torch.equal(got_post == 0, got_pre <= 0)  # the ReLU cuts where the product is <= 0
+        clear = product.abs() > 1e-2  # the ReLU cuts where the product is <= 0 (far enough from 0 to tell)
+        assert torch.equal((got_post == 0)[clear], (product <= 0)[clear])
+        assert (got_grad[post == 0] == 0).all()  # no gradient where the forward's ReLU cut
 
 
 @needs_triton
@@ -239,7 +241,7 @@ def test_relu2_kernel_compiles_for_an_h100_within_its_shared_memory(forward):
     bm, bn, bk = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
     b_block = [bn, bk] if forward else [bk, bn]  # the forward's b is a Linear's weight, transposed
     signature = {"a_desc": f"tensordesc<bf16[{bm},{bk}]>", "b_desc": f"tensordesc<bf16{b_block}>".replace(" ", ""),
-                 "out_desc": f"tensordesc<bf16[{bm},{bn // 2}]>", "pre_desc": f"tensordesc<bf16[{bm},{bn // 2}]>",
+                 "out_desc": f"tensordesc<bf16[{bm},{bn // 2}]>", "post_desc": f"tensordesc<bf16[{bm},{bn // 2}]>",
                  "M": "i32", "N": "i32", "K": "i32", "FORWARD": "constexpr", "B_TRANSPOSED": "constexpr",
                  "DOT_FP32": "constexpr", "PROGRAMS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
                  "BLOCK_K": "constexpr"}

@@ -80,7 +80,8 @@ def spy_on_relu2_products(monkeypatch) -> list[bool]:
     """Records each kernels.relu2_product call: True forward, False backward."""
     import kernels
     calls, real = [], kernels.relu2_product
-    monkeypatch.setattr(kernels, "relu2_product", lambda a, b, pre=None: calls.append(pre is None) or real(a, b, pre))
+    monkeypatch.setattr(kernels, "relu2_product",
+                        lambda a, b, post=None: calls.append(post is None) or real(a, b, post))
     return calls
 
 
