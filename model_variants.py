@@ -76,7 +76,8 @@ class GPTConfig:
     fp8_mlp: bool = False
     # The relu2 MLP in training as one autograd function whose two ReLU² passes run in its products' epilogues
     # (kernels.relu2_product, a Triton kernel on H100-class GPUs): the same math, two fewer passes over the
-    # (tokens, hidden) activations each way. Evaluation runs the plain products.
+    # (tokens, hidden) activations each way, and only their square kept for the backward (autograd keeps the
+    # product too). Evaluation runs the plain products.
     fused_relu2: bool = False
     # --- the rest ---------------------------------------------------------------------------------
     norm: str = "rms"  # "rms" (parameter-free, NoCap), "rms_gain" (learned gain), "layer" (LayerNorm)
@@ -284,7 +285,7 @@ VARIANTS: dict[str, GPTConfig] = {
         # gains no more than 1-2% of the tokens/s: off.
         fused_head_loss=True,
         # ReLU² in the epilogues of the MLP's products on H100-class GPUs: the same gradients, two fewer passes
-        # over the MLP's activations each way.
+        # over the MLP's activations each way, and one (tokens, hidden) tensor less kept per layer.
         fused_relu2=True,
         # Half the bytes for every elementwise pass over the stream, the same losses. (FP8 in the blocks'
         # linear layers was slower: at width 768 the casts cost more than the products save.)

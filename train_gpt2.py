@@ -56,9 +56,11 @@ NOCAP_VAL_TOKENS = 1_048_576  # fixed so that every run is scored on exactly the
 NOCAP_VAL_ROW = 1024  # NoCap's validation rows: 64 batches of 16 x 1024
 OPTIMIZERS = ("adamw", "adamw8bit", "lion", "muon")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # torch.compile modes without CUDA graphs
-# --sampled_softmax_draws frequency counts tokens in this much training data (one FineWeb shard): any token more
-# frequent than one in a million is counted ~100 times.
-FREQUENCY_COUNT_TOKENS = 100_000_000
+# --sampled_softmax_draws frequency counts tokens in this much of the training data's start by default (two P100
+# shards, part of one FineWeb shard): any token more frequent than one in a million is counted ~40 times. A fixed
+# amount, not whatever the shards present hold: the weights 1 + count smooth rare tokens by an amount that depends
+# on how many tokens are counted, and that moves the loss (docs/RESULTS.md).
+FREQUENCY_COUNT_TOKENS = 40_000_000
 
 
 def _parse_bool(text: str) -> bool:
@@ -199,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{FREQUENCY_COUNT_TOKENS // 1_000_000}M tokens, each drawn column then standing in for "
                         "its own share of those left out (priority sampling): fewer draws go to tokens the "
                         "model gives almost no probability")
+    g.add_argument("--sampled_softmax_count_tokens", type=int, default=FREQUENCY_COUNT_TOKENS,
+                   help="how many tokens at the start of the training data the frequency draws count: a fixed "
+                        "amount, so that the draws do not depend on how many shards are present (the +1 of each "
+                        "count weighs more the fewer tokens are counted)")
     g.add_argument("--weight_decay", type=float, default=0.1,
                    help="decoupled weight decay of every parameter (--optimizer muon: but the gains and mixing "
                         "scalars, and of Muon's matrices only without --cautious_weight_decay)")
@@ -397,6 +403,9 @@ def check_sampled_softmax(args, config: GPTConfig):
         raise InputError("--sampled_softmax and --sampled_softmax_iters go together: the sampled softmax of "
                          "--sampled_softmax columns trains for --sampled_softmax_iters steps; pass both (> 0) "
                          "or neither")
+    if args.sampled_softmax_count_tokens < 1:
+        raise InputError(f"--sampled_softmax_count_tokens {args.sampled_softmax_count_tokens}: pass how many training "
+                         f"tokens the frequency draws count (default {FREQUENCY_COUNT_TOKENS:,})")
     if args.sampled_softmax >= config.vocab_size:
         notice(f"--sampled_softmax {args.sampled_softmax} covers the whole vocabulary of {config.vocab_size}: "
                "the full softmax trains instead")
@@ -2123,11 +2132,11 @@ def softmax_sample(step: int, micro_step: int, args, vocab: int, env, log_weight
 
 def draw_log_weights(args, loader: TokenLoader) -> torch.Tensor | None:
     """The log-weights of --sampled_softmax_draws frequency: log(1 + each token's count in the training data's
-    first FREQUENCY_COUNT_TOKENS tokens), the same on every process and after a resume; None for uniform draws
+    first --sampled_softmax_count_tokens tokens), the same on every process and after a resume; None for uniform draws
     or without a sampled softmax."""
     if not args.sampled_softmax or args.sampled_softmax_draws == "uniform":
         return None
-    counts = loader.token_counts(FREQUENCY_COUNT_TOKENS)
+    counts = loader.token_counts(args.sampled_softmax_count_tokens)
     return torch.from_numpy(np.log1p(counts)).float().to(loader.device)
 
 
@@ -2652,10 +2661,20 @@ def report_sampled_softmax(args, config: GPTConfig, loader: TokenLoader, log: Ru
     targets): where they outnumber the columns, the positions of the targets left out go untrained."""
     K = args.sampled_softmax
     distinct = len(torch.unique(loader.sample_rows(loader.B)))
-    log.print(f"sampled softmax: {K:,} of {config.vocab_size:,} columns ({args.sampled_softmax_draws} draws) for the "
-              f"first {args.sampled_softmax_iters:,} steps, against the first micro-batch's {distinct:,} distinct "
-              "tokens; their logged training loss is that softmax's estimate of the full one (evaluation always "
-              "scores the full softmax)")
+    draws = args.sampled_softmax_draws
+    if draws == "frequency":
+        counted = min(args.sampled_softmax_count_tokens, loader.total_tokens)
+        draws = f"frequency draws, by the counts in the first {counted:,} training tokens"
+    else:
+        draws += " draws"
+    log.print(f"sampled softmax: {K:,} of {config.vocab_size:,} columns ({draws}) for the first "
+              f"{args.sampled_softmax_iters:,} steps, against the first micro-batch's {distinct:,} distinct tokens; "
+              "their logged training loss is that softmax's estimate of the full one (evaluation always scores the "
+              "full softmax)")
+    if args.sampled_softmax_draws == "frequency" and loader.total_tokens < args.sampled_softmax_count_tokens:
+        notice(f"--sampled_softmax_draws frequency: the training data holds {loader.total_tokens:,} tokens, fewer "
+               f"than the {args.sampled_softmax_count_tokens:,} of --sampled_softmax_count_tokens, so its draws "
+               "differ from a run on more data")
     if distinct > K:
         notice(f"--sampled_softmax {K}: the first micro-batch holds {distinct:,} distinct tokens, more than the "
                "columns, so the positions whose target is left out are not trained on; raise --sampled_softmax "

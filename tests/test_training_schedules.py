@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import train_gpt2
-from conftest import count_compiles, read_metrics, tiny_run_args
+from conftest import count_compiles, make_shards, read_metrics, tiny_run_args
 from model_variants import TINY, VARIANTS, with_overrides
 from train_gpt2 import (GPT, accumulation_at, build_parser, extra_target_weights_at, local_window_at, main,
                         softmax_columns_at, softmax_sample, tokens_through, warm_up_steps)
@@ -232,10 +232,13 @@ def test_frequency_draws_weigh_each_token_by_its_count_in_the_first_training_tok
     import glob
     from train_gpt2 import load_shard
     weights = record_training_passes(monkeypatch, lambda kwargs: kwargs["sampled_softmax"].log_weights)
-    monkeypatch.setattr(train_gpt2, "FREQUENCY_COUNT_TOKENS", 25_000)  # the first shard and 5,000 of the second's
-    flags = ("--sampled_softmax", "64", "--sampled_softmax_iters", "6", "--sampled_softmax_draws", "frequency")
+    flags = ("--sampled_softmax", "64", "--sampled_softmax_iters", "6", "--sampled_softmax_draws", "frequency",
+             "--sampled_softmax_count_tokens", "25000")  # the first shard and 5,000 of the second's
     assert main(tiny_run_args(shards, tmp_path, "run", *flags)) == 0
-    assert "sampled softmax: 64 of 256 columns (frequency draws)" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "sampled softmax: 64 of 256 columns (frequency draws, by the counts in the first 25,000 training tokens)" \
+        in out
+    assert "sampled_softmax_draws" not in err  # the data holds more than the counted tokens: no notice
     first, second = (load_shard(path, 256) for path in sorted(glob.glob(shards[0])))
     counts = np.bincount(np.concatenate([first, second[:5_000]]), minlength=256)
     assert len(weights) == 12 and all(w is weights[0] for w in weights)
@@ -244,6 +247,28 @@ def test_frequency_draws_weigh_each_token_by_its_count_in_the_first_training_tok
     loader = train_gpt2.TokenLoader(shards[0], 2, 32, 0, 1, 256, torch.device("cpu"))
     loader.skip(400)
     assert loader.shard == 1 and np.array_equal(loader.token_counts(25_000), counts)
+    # Nor on the shards after the counted tokens: the same data with a third shard staged counts the same.
+    three, _ = make_shards(tmp_path / "three", n_train=3)
+    assert len(glob.glob(three)) == 3
+    more = train_gpt2.TokenLoader(three, 2, 32, 0, 1, 256, torch.device("cpu"))
+    assert np.array_equal(more.token_counts(25_000), counts)
+
+
+def test_frequency_draws_on_less_data_than_they_count_say_so(tmp_path, shards, capsys):
+    flags = ("--sampled_softmax", "64", "--sampled_softmax_iters", "6", "--sampled_softmax_draws", "frequency",
+             "--sampled_softmax_count_tokens", "50000")  # the two shards hold 40,000
+    assert main(tiny_run_args(shards, tmp_path, "run", *flags)) == 0
+    out, err = capsys.readouterr()
+    assert "(frequency draws, by the counts in the first 40,000 training tokens)" in out
+    assert ("notice: --sampled_softmax_draws frequency: the training data holds 40,000 tokens, fewer than the "
+            "50,000 of --sampled_softmax_count_tokens, so its draws differ from a run on more data") in err
+
+
+def test_sampled_softmax_count_tokens_must_be_positive(tmp_path, shards, capsys):
+    assert main(tiny_run_args(shards, tmp_path, "run", "--sampled_softmax_count_tokens", "0")) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --sampled_softmax_count_tokens 0: pass how many training tokens the frequency draws count "
+        "(default 40,000,000)")
 
 
 @pytest.mark.parametrize("draws", ["uniform", "frequency"])
