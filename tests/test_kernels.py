@@ -1,5 +1,6 @@
 """kernels.py: the softcapped cross-entropy contract in torch against autograd, the Triton kernel against
-the torch version (on CPU through Triton's interpreter), and the kernel compiled for the GPUs it serves."""
+the torch version (on CPU through Triton's interpreter), and the kernel compiled for the GPUs it serves; the same
+for the ReLU² product, block attention and Newton-Schulz's symmetric products."""
 
 import os
 import subprocess
@@ -402,3 +403,118 @@ def test_block_attention_ops_take_any_layout_under_the_interpreter(tmp_path):
     assert q.stride(-1) == 1
     for a, b in zip(contiguous, strided):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# -----------------------------------------------------------------------------
+# Symmetric products (Muon's Newton-Schulz)
+
+def symmetric_inputs(n, m, k, dtype, column_major: bool, seed: int, square_symmetric: bool = False):
+    """x (n, m, k) in dtype, row-major or a column-major view; square_symmetric: a Gram matrix (n, m, m), as the
+    second product of Newton-Schulz takes it."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, k, m, generator=g, dtype=torch.float64).mT if column_major else \
+        torch.randn(n, m, k, generator=g, dtype=torch.float64)
+    if square_symmetric:
+        x = x @ x.mT / k
+    return x.to(dtype)
+
+
+def test_symmetric_torch_contract_is_the_scaled_gram_plus_the_scaled_input():
+    x = symmetric_inputs(3, 5, 7, torch.float64, False, seed=0)
+    torch.testing.assert_close(kernels.symmetric_product_torch(x), x @ x.mT, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(kernels.symmetric_product_torch(x, alpha=0.5), 0.5 * x @ x.mT, rtol=1e-12, atol=1e-12)
+    gram = symmetric_inputs(2, 6, 9, torch.float64, False, seed=1, square_symmetric=True)
+    torch.testing.assert_close(kernels.symmetric_product_torch(gram, alpha=2.0, beta=-3.0), 2 * gram @ gram - 3 * gram,
+                               rtol=1e-12, atol=1e-12)
+
+
+@needs_triton
+def test_symmetric_kernel_takes_aligned_16_bit_stacks_row_or_column_major(monkeypatch):
+    monkeypatch.setattr(kernels, "INTERPRETING", True)  # Triton "runs" on CPU tensors, as under the interpreter
+    x = symmetric_inputs(2, 16, 24, torch.bfloat16, False, seed=0)
+    assert kernels.symmetric_kernel_takes(x) and kernels.symmetric_kernel_takes(x.transpose(1, 2).contiguous().mT)
+    assert not kernels.symmetric_kernel_takes(x.float())  # fp32: the torch version
+    assert not kernels.symmetric_kernel_takes(x[0])  # a matrix, not a stack
+    assert not kernels.symmetric_kernel_takes(x[:, :, 1:])  # rows of 23: neither layout, and unaligned
+    assert not kernels.symmetric_kernel_takes(symmetric_inputs(2, 16, 20, torch.bfloat16, False, seed=0))  # 40 B
+    assert not kernels.symmetric_kernel_takes(x, beta=1.0)  # beta adds x itself: x must be square
+    gram = symmetric_inputs(2, 16, 24, torch.bfloat16, False, seed=0, square_symmetric=True)
+    assert kernels.symmetric_kernel_takes(gram, beta=1.0) and not kernels.symmetric_kernel_takes(gram.mT, beta=1.0)
+    monkeypatch.setattr(kernels, "INTERPRETING", False)
+    assert not kernels.symmetric_kernel_takes(x)  # CPU without the interpreter
+
+
+def test_symmetric_kernel_runs_on_h100_class_gpus_and_muon_says_where_it_does_not(monkeypatch, capsys):
+    import train_gpt2
+    monkeypatch.setattr(kernels, "triton_runs_on", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 4090")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert kernels.symmetric_kernel_runs_on(torch.device("cuda"))
+    train_gpt2.check_symmetric_kernel(torch.device("cuda"))
+    train_gpt2.check_symmetric_kernel(torch.device("cpu"))
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert not kernels.symmetric_kernel_runs_on(torch.device("cuda"))
+    train_gpt2.check_symmetric_kernel(torch.device("cuda"))
+    assert ("notice: muon: the symmetric-product kernel needs Triton and an sm_90+ GPU (H100), not NVIDIA GeForce "
+            "RTX 4090; Newton-Schulz computes its products whole (the same math)") in capsys.readouterr().err
+
+
+# (n, m, k, dtype, column-major, square_symmetric, alpha, beta). The interpreter's tiles are 16 x 16 x 16: several
+# tiles on each side, partial edge tiles (m = 40), K not a multiple of 16; a column-major stack (a tall matrix's
+# transpose, as Newton-Schulz orients it); the second product bA + cA^2 on a Gram matrix; fp16.
+SYMMETRIC_CASES = [(3, 48, 40, torch.bfloat16, False, False, 1.0, 0.0),
+                   (2, 40, 72, torch.bfloat16, True, False, 1.0, 0.0),
+                   (2, 48, 48, torch.bfloat16, False, True, 2.0315, -4.775),
+                   (2, 32, 24, torch.float16, False, False, 0.5, 0.0)]
+
+
+@needs_triton
+def test_symmetric_kernel_matches_the_contract_under_the_interpreter(tmp_path):
+    cases = [symmetric_inputs(n, m, k, dtype, col, seed=i, square_symmetric=sym)
+             for i, (n, m, k, dtype, col, sym, _, _) in enumerate(SYMMETRIC_CASES)]
+    torch.save([(x, alpha, beta) for x, (*_, alpha, beta) in zip(cases, SYMMETRIC_CASES)], tmp_path / "cases.pt")
+    child = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(REPO)!r})
+        import kernels
+        out = [(kernels.symmetric_kernel_takes(x, beta), kernels.symmetric_product(x, alpha, beta))
+               for x, alpha, beta in torch.load({str(tmp_path / "cases.pt")!r})]
+        torch.save(out, {str(tmp_path / "out.pt")!r})
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = torch.load(tmp_path / "out.pt")
+    for (n, m, k, dtype, _, _, alpha, beta), x, (ran, got) in zip(SYMMETRIC_CASES, cases, results):
+        assert ran and got.dtype == dtype and got.shape == (n, m, m)
+        assert torch.equal(got, got.mT)  # each tile above the diagonal is the transpose of one below
+        want = alpha * x.double() @ x.double().mT + (beta * x.double() if beta else 0)
+        # fp32 sums against exact ones, rounded once to 16 bits (the interpreter's bf16 casts truncate: up to one
+        # unit in the last place, 2^-7 of the largest entries)
+        scale = want.abs().amax(dim=(-2, -1), keepdim=True)
+        assert ((got.double() - want).abs() / scale).max() < 2 ** -7
+
+
+@needs_triton
+@pytest.mark.parametrize("k_major, added", [(False, False), (True, False), (False, True)])
+def test_symmetric_kernel_compiles_for_an_h100_within_its_shared_memory(k_major, added):
+    # As the ReLU² kernel's test: wgmma products fed by tensor-memory copies, within an H100's shared memory.
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    tiles = kernels.SYMMETRIC_TILES
+    block, block_k = tiles["BLOCK"], tiles["BLOCK_K"]
+    x_block = [1, block_k, block] if k_major else [1, block, block_k]
+    signature = {"x_desc": f"tensordesc<bf16{x_block}>".replace(" ", ""),
+                 "added_desc": f"tensordesc<bf16[1,{block},{block}]>",
+                 "out_desc": f"tensordesc<bf16[1,{block},{block}]>",
+                 "K": "i32", "alpha": "fp32", "beta": "fp32", "SIDE": "constexpr", "ADDED": "constexpr",
+                 "K_MAJOR": "constexpr", "DOT_FP32": "constexpr", "BLOCK": "constexpr", "BLOCK_K": "constexpr"}
+    source = ASTSource(fn=kernels._symmetric_product_tiles, signature=signature,
+                       constexprs={"SIDE": 768 // block, "ADDED": added, "K_MAJOR": k_major, "DOT_FP32": False,
+                                   "BLOCK": block, "BLOCK_K": block_k})
+    compiled = kernels.triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]})
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert compiled.metadata.shared <= 232_448
