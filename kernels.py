@@ -23,7 +23,10 @@ symmetric_product: Newton-Schulz's two Gram-type products, XX^T and bA + cA^2, w
 the kernel computes the tiles on and below the diagonal and stores each below-diagonal tile twice, as itself
 and transposed, which halves the multiply-adds; it also reads bA in its epilogue, where torch.baddbmm first
 copies A into its output. At d12_fast's Muon stacks on an H100 the two products take 71 and 35 us where cuBLAS
-takes 104 and 70 (the largest stack), and Newton-Schulz's five iterations over all stacks 3.29 ms against 3.82.
+takes 104 and 70 (the largest stack).
+
+product_plus: Newton-Schulz's third product, aX + BX, with aX read in the epilogue, where torch.baddbmm first
+copies X into its output: 137 us where cuBLAS takes 194 at d12_fast's largest Muon stack on an H100.
 """
 
 import math
@@ -583,7 +586,19 @@ if triton is not None:
 
 
 # -----------------------------------------------------------------------------
-# Symmetric products of Newton-Schulz
+# Newton-Schulz's products
+#
+# Muon's quintic iterates X <- aX + (bA + cA^2)X with A = XX^T: three products, two of which have symmetric outputs.
+# Both kernels read and write through the tensor memory accelerator's descriptors, which sm_90+ GPUs have.
+
+
+def newton_schulz_kernels_run_on(device: torch.device) -> bool:
+    """Whether symmetric_product's and product_plus's kernels run on `device`: Triton runs there (see
+    triton_runs_on) and, on CUDA, it is an sm_90+ GPU."""
+    return triton_runs_on(device) and (device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+# Symmetric products
 #
 # Contract, for x (n, m, k) of a 16-bit float dtype, alpha and beta numbers (beta only for square x, m == k):
 #   out[i] = alpha * x[i] @ x[i]^T + beta * x[i]      (n, m, m) in x's dtype, each element rounded once
@@ -604,16 +619,10 @@ SYMMETRIC_TILES = dict(BLOCK=128, BLOCK_K=64, num_warps=8, num_stages=3)
 SYMMETRIC_INTERPRETED_TILES = dict(BLOCK=16, BLOCK_K=16)
 
 
-def symmetric_kernel_runs_on(device: torch.device) -> bool:
-    """Whether the kernel runs on `device`: Triton runs there (see triton_runs_on) and, on CUDA, it is an sm_90+
-    GPU (the kernel reads and writes through the tensor memory accelerator's descriptors)."""
-    return triton_runs_on(device) and (device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0))
-
-
 def symmetric_kernel_takes(x: torch.Tensor, beta: float = 0.0) -> bool:
-    """Whether the kernel can take x: it runs on x's device (symmetric_kernel_runs_on), x is a stack of 16-bit
-    matrices, each row- or column-major in whole 16-byte units, and row-major where beta adds x itself."""
-    if not symmetric_kernel_runs_on(x.device) or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 3:
+    """Whether the kernel can take x: it runs on x's device (newton_schulz_kernels_run_on), x is a stack of
+    16-bit matrices, each row- or column-major in whole 16-byte units, and row-major where beta adds x itself."""
+    if not newton_schulz_kernels_run_on(x.device) or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 3:
         return False
     n, m, k = x.shape
     row_major = x.stride() == (m * k, k, 1)
@@ -695,3 +704,90 @@ if triton is not None:
         out_desc.store([matrix, i * BLOCK, j * BLOCK], tl.reshape(tile, (1, BLOCK, BLOCK)))
         if i != j:
             out_desc.store([matrix, j * BLOCK, i * BLOCK], tl.reshape(tile.T, (1, BLOCK, BLOCK)))
+
+
+# A product plus its right factor
+#
+# Contract, for m (n, r, r) and x (n, r, c) of one 16-bit float dtype, beta a number:
+#   out[i] = m[i] @ x[i] + beta * x[i]      (n, r, c) in x's dtype, each element rounded once
+# Newton-Schulz's third product, aX + BX, with B = bA + cA^2 from symmetric_product.
+
+
+def product_plus_torch(m: torch.Tensor, x: torch.Tensor, beta: float) -> torch.Tensor:
+    """The contract above in torch ops (cuBLAS's batched product on CUDA)."""
+    return torch.baddbmm(x, m, x, beta=beta)
+
+
+# Tiles for an H100: 128 x 128 outputs, 64 of K at a time, three stages of loads in flight, one program per tile.
+# At Muon's shapes (768 x 2304 outputs) a matrix is 6 x 18 tiles.
+PRODUCT_PLUS_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+PRODUCT_PLUS_INTERPRETED_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
+
+
+def product_plus_kernel_takes(m: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether the kernel can take m and x: it runs on their device (newton_schulz_kernels_run_on), they are
+    stacks of one 16-bit dtype, m (n, r, r) and x (n, r, c), both row-major with rows in whole 16-byte units."""
+    if not newton_schulz_kernels_run_on(x.device) or x.dtype not in (torch.bfloat16, torch.float16) \
+            or m.dtype != x.dtype or x.dim() != 3 or m.dim() != 3:
+        return False
+    n, r, c = x.shape
+    size = x.element_size()
+    return (m.shape == (n, r, r) and m.is_contiguous() and x.is_contiguous() and (r * size) % 16 == 0
+            and (c * size) % 16 == 0 and m.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0)
+
+
+def product_plus(m: torch.Tensor, x: torch.Tensor, beta: float) -> torch.Tensor:
+    """The contract above: the Triton kernel where it can take m and x (product_plus_kernel_takes), else the torch
+    version. A custom op, so that torch.compile keeps it whole (Muon's update is compiled)."""
+    return torch.ops.speedrun.product_plus(m, x, beta)
+
+
+@torch.library.custom_op("speedrun::product_plus", mutates_args=())
+def _product_plus_op(m: torch.Tensor, x: torch.Tensor, beta: float) -> torch.Tensor:
+    return _product_plus_kernel(m, x, beta) if product_plus_kernel_takes(m, x) else product_plus_torch(m, x, beta)
+
+
+@_product_plus_op.register_fake
+def _(m, x, beta):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _product_plus_kernel(m: torch.Tensor, x: torch.Tensor, beta: float) -> torch.Tensor:
+    """Launches the kernel on m and x that product_plus_kernel_takes: one program per output tile."""
+    n, r, c = x.shape
+    tiles = PRODUCT_PLUS_INTERPRETED_TILES if INTERPRETING else PRODUCT_PLUS_TILES
+    bm, bn, bk = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
+    out = torch.empty_like(x)
+    # Three-dimensional descriptors: loads fill with zeros past each matrix's edges, stores clip there.
+    m_desc = TensorDescriptor.from_tensor(m, [1, bm, bk])
+    x_desc = TensorDescriptor.from_tensor(x, [1, bk, bn])
+    added_desc = TensorDescriptor.from_tensor(x, [1, bm, bn])
+    out_desc = TensorDescriptor.from_tensor(out, [1, bm, bn])
+    tiles_m, tiles_n = triton.cdiv(r, bm), triton.cdiv(c, bn)
+    _product_plus_tiles[(n * tiles_m * tiles_n,)](m_desc, x_desc, added_desc, out_desc, r, beta, TILES_M=tiles_m,
+                                                  TILES_N=tiles_n, DOT_FP32=INTERPRETING, **tiles)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _product_plus_tiles(m_desc, x_desc, added_desc, out_desc, K, beta, TILES_M: tl.constexpr,
+                            TILES_N: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program p takes matrix p // (TILES_M * TILES_N) and, row by row, one tile (i, j) of its output: m's
+        rows i times x's columns j over K, plus beta times x's (i, j) tile. A matrix's programs are neighbours,
+        so they share its m and x in L2."""
+        matrix = tl.program_id(0) // (TILES_M * TILES_N)
+        tile = tl.program_id(0) % (TILES_M * TILES_N)
+        row = (tile // TILES_N) * BLOCK_M
+        col = (tile % TILES_N) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            a = tl.reshape(m_desc.load([matrix, row, k]), (BLOCK_M, BLOCK_K))
+            b = tl.reshape(x_desc.load([matrix, k, col]), (BLOCK_K, BLOCK_N))
+            if DOT_FP32:  # the interpreter: see _relu2_product_tiles
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        acc += beta * tl.reshape(added_desc.load([matrix, row, col]), (BLOCK_M, BLOCK_N)).to(tl.float32)
+        out_desc.store([matrix, row, col], tl.reshape(acc.to(out_desc.dtype), (1, BLOCK_M, BLOCK_N)))

@@ -1924,26 +1924,28 @@ def newton_schulz(updates: torch.Tensor, coefficients: tuple[tuple[float, float,
     """Approximately orthogonalize each matrix of a stack (n, rows, cols) in bf16: scale it to spectral norm
     <= 1/margin, then for each (a, b, c) of coefficients iterate the quintic X <- aX + (bA + cA^2)X, A = XX^T,
     on the wide orientation (A is the smaller Gram matrix). torch.optim.Muon's iteration, batched, when every
-    step has its (a, b, c) and margin is 1. Both symmetric products run in kernels.symmetric_product, which
-    computes half of each on H100-class GPUs."""
+    step has its (a, b, c) and margin is 1. The two symmetric products run in kernels.symmetric_product, which
+    computes half of each on H100-class GPUs, and aX + BX in kernels.product_plus."""
     x = updates.bfloat16()
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) * margin).clamp(min=eps)
+    # Row-major, as the kernels take it: a tall stack's wide view is column-major, which also costs cuBLAS's
+    # batched product more than twice the time of a row-major one.
+    x = (x / (x.norm(dim=(-2, -1), keepdim=True) * margin).clamp(min=eps)).contiguous()
     for a, b, c in coefficients:
         gram = kernels.symmetric_product(x)
         # bA + cA^2 is bA + cAA^T for the symmetric A, so the symmetric product serves again
-        x = torch.baddbmm(x, kernels.symmetric_product(gram, alpha=c, beta=b), x, beta=a)
+        x = kernels.product_plus(kernels.symmetric_product(gram, alpha=c, beta=b), x, beta=a)
     return x.mT if tall else x
 
 
-def check_symmetric_kernel(device: torch.device):
-    """On CUDA, Muon's Newton-Schulz wants the symmetric-product kernel; on GPUs it does not run on, cuBLAS
-    computes the products whole (the same math, with twice the multiply-adds in those two products)."""
-    if device.type == "cuda" and not kernels.symmetric_kernel_runs_on(device):
-        notice(f"muon: the symmetric-product kernel needs Triton and an sm_90+ GPU (H100), not "
-               f"{torch.cuda.get_device_name(device)}; Newton-Schulz computes its products whole (the same math)")
+def check_newton_schulz_kernels(device: torch.device):
+    """On CUDA, Muon's Newton-Schulz wants its two kernels; on GPUs they do not run on, cuBLAS computes its
+    products (the same math, with twice the multiply-adds in the two symmetric ones)."""
+    if device.type == "cuda" and not kernels.newton_schulz_kernels_run_on(device):
+        notice(f"muon: Newton-Schulz's kernels need Triton and an sm_90+ GPU (H100), not "
+               f"{torch.cuda.get_device_name(device)}; its products run in cuBLAS (the same math)")
 
 
 def muon_params(model: GPT) -> list[nn.Parameter]:
@@ -1979,7 +1981,7 @@ def make_optimizer(model: GPT, args, device: torch.device, compile_options: dict
     if args.optimizer == "lion":
         return Optimizers([Lion(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)])
     hidden = muon_params(model)
-    check_symmetric_kernel(device)
+    check_newton_schulz_kernels(device)
     taken = {id(p) for p in hidden}
     # AdamW groups, each with its own peak: untied input, value and bigram embeddings, then vectors and scalars
     # (gains, mixing weights, attention gates), then the rest (the head, routers, expert stacks).

@@ -1,6 +1,6 @@
 """kernels.py: the softcapped cross-entropy contract in torch against autograd, the Triton kernel against
 the torch version (on CPU through Triton's interpreter), and the kernel compiled for the GPUs it serves; the same
-for the ReLU² product, block attention and Newton-Schulz's symmetric products."""
+for the ReLU² product, block attention and Newton-Schulz's products."""
 
 import os
 import subprocess
@@ -444,20 +444,20 @@ def test_symmetric_kernel_takes_aligned_16_bit_stacks_row_or_column_major(monkey
     assert not kernels.symmetric_kernel_takes(x)  # CPU without the interpreter
 
 
-def test_symmetric_kernel_runs_on_h100_class_gpus_and_muon_says_where_it_does_not(monkeypatch, capsys):
+def test_newton_schulz_kernels_run_on_h100_class_gpus_and_muon_says_where_they_do_not(monkeypatch, capsys):
     import train_gpt2
     monkeypatch.setattr(kernels, "triton_runs_on", lambda device: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 4090")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert kernels.symmetric_kernel_runs_on(torch.device("cuda"))
-    train_gpt2.check_symmetric_kernel(torch.device("cuda"))
-    train_gpt2.check_symmetric_kernel(torch.device("cpu"))
+    assert kernels.newton_schulz_kernels_run_on(torch.device("cuda"))
+    train_gpt2.check_newton_schulz_kernels(torch.device("cuda"))
+    train_gpt2.check_newton_schulz_kernels(torch.device("cpu"))
     assert capsys.readouterr().err == ""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
-    assert not kernels.symmetric_kernel_runs_on(torch.device("cuda"))
-    train_gpt2.check_symmetric_kernel(torch.device("cuda"))
-    assert ("notice: muon: the symmetric-product kernel needs Triton and an sm_90+ GPU (H100), not NVIDIA GeForce "
-            "RTX 4090; Newton-Schulz computes its products whole (the same math)") in capsys.readouterr().err
+    assert not kernels.newton_schulz_kernels_run_on(torch.device("cuda"))
+    train_gpt2.check_newton_schulz_kernels(torch.device("cuda"))
+    assert ("notice: muon: Newton-Schulz's kernels need Triton and an sm_90+ GPU (H100), not NVIDIA GeForce "
+            "RTX 4090; its products run in cuBLAS (the same math)") in capsys.readouterr().err
 
 
 # (n, m, k, dtype, column-major, square_symmetric, alpha, beta). The interpreter's tiles are 16 x 16 x 16: several
@@ -513,6 +513,107 @@ def test_symmetric_kernel_compiles_for_an_h100_within_its_shared_memory(k_major,
     source = ASTSource(fn=kernels._symmetric_product_tiles, signature=signature,
                        constexprs={"SIDE": 768 // block, "ADDED": added, "K_MAJOR": k_major, "DOT_FP32": False,
                                    "BLOCK": block, "BLOCK_K": block_k})
+    compiled = kernels.triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]})
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert compiled.metadata.shared <= 232_448
+
+
+# -----------------------------------------------------------------------------
+# A product plus its right factor (Newton-Schulz's aX + BX)
+
+def product_plus_inputs(n, r, c, dtype, seed: int):
+    """m (n, r, r) and x (n, r, c) in dtype, m symmetric as Newton-Schulz's B is."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, r, c, generator=g, dtype=torch.float64)
+    m = torch.randn(n, r, r, generator=g, dtype=torch.float64)
+    return ((m + m.mT) / 2).to(dtype), x.to(dtype)
+
+
+def test_product_plus_torch_contract_is_the_product_plus_the_scaled_right_factor():
+    m, x = product_plus_inputs(3, 5, 7, torch.float64, seed=0)
+    torch.testing.assert_close(kernels.product_plus_torch(m, x, 3.4445), m @ x + 3.4445 * x, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(kernels.product_plus_torch(m, x, 0.0), m @ x, rtol=1e-12, atol=1e-12)
+
+
+@needs_triton
+def test_product_plus_kernel_takes_aligned_row_major_16_bit_stacks(monkeypatch):
+    monkeypatch.setattr(kernels, "INTERPRETING", True)  # Triton "runs" on CPU tensors, as under the interpreter
+    m, x = product_plus_inputs(2, 16, 24, torch.bfloat16, seed=0)
+    assert kernels.product_plus_kernel_takes(m, x)
+    assert not kernels.product_plus_kernel_takes(m.float(), x.float())  # fp32: the torch version
+    assert not kernels.product_plus_kernel_takes(m, x.half())  # two dtypes
+    assert not kernels.product_plus_kernel_takes(m[0], x[0])  # matrices, not stacks
+    assert not kernels.product_plus_kernel_takes(m, x.mT.contiguous().mT)  # column-major x
+    assert not kernels.product_plus_kernel_takes(m[:, :8, :8], x)  # m's side is not x's rows
+    assert not kernels.product_plus_kernel_takes(m[:1], x)  # fewer m than x
+    assert not kernels.product_plus_kernel_takes(*product_plus_inputs(2, 16, 20, torch.bfloat16, seed=0))  # 40 B
+    monkeypatch.setattr(kernels, "INTERPRETING", False)
+    assert not kernels.product_plus_kernel_takes(m, x)  # CPU without the interpreter
+
+
+
+def test_newton_schulz_hands_product_plus_row_major_stacks(monkeypatch):
+    """A tall stack's wide view is column-major; Newton-Schulz writes it row-major, the layout product_plus's
+    kernel takes (and cuBLAS's batched product runs fastest on)."""
+    import train_gpt2
+    layouts = []
+
+    def recording(m, x, beta):
+        layouts.append(x.is_contiguous())
+        return kernels.product_plus_torch(m, x, beta)
+
+    monkeypatch.setattr(kernels, "product_plus", recording)
+    for shape in [(2, 48, 16), (2, 16, 48)]:  # tall, wide
+        train_gpt2.newton_schulz(torch.randn(shape), ((3.4445, -4.7750, 2.0315),) * 2, 1.0, 1e-7)
+    assert layouts == [True] * 4
+
+# (n, r, c, dtype, beta). The interpreter's tiles are 16 x 16 x 16: several tiles on each side, partial edge tiles
+# (r = 40, c = 72), K not a multiple of 16 (r = 24); Newton-Schulz's first a; fp16; no added term.
+PRODUCT_PLUS_CASES = [(3, 40, 72, torch.bfloat16, 3.4445),
+                      (2, 24, 48, torch.bfloat16, -1.5),
+                      (2, 32, 16, torch.float16, 0.0)]
+
+
+@needs_triton
+def test_product_plus_kernel_matches_the_contract_under_the_interpreter(tmp_path):
+    cases = [product_plus_inputs(n, r, c, dtype, seed=i) for i, (n, r, c, dtype, _) in enumerate(PRODUCT_PLUS_CASES)]
+    torch.save([(m, x, case[-1]) for (m, x), case in zip(cases, PRODUCT_PLUS_CASES)], tmp_path / "cases.pt")
+    child = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(REPO)!r})
+        import kernels
+        out = [(kernels.product_plus_kernel_takes(m, x), kernels.product_plus(m, x, beta))
+               for m, x, beta in torch.load({str(tmp_path / "cases.pt")!r})]
+        torch.save(out, {str(tmp_path / "out.pt")!r})
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = torch.load(tmp_path / "out.pt")
+    for (n, r, c, dtype, beta), (m, x), (ran, got) in zip(PRODUCT_PLUS_CASES, cases, results):
+        assert ran and got.dtype == dtype and got.shape == (n, r, c) and got.is_contiguous()
+        want = m.double() @ x.double() + beta * x.double()
+        # fp32 sums against exact ones, rounded once to 16 bits (the interpreter's casts truncate: see above)
+        scale = want.abs().amax(dim=(-2, -1), keepdim=True)
+        assert ((got.double() - want).abs() / scale).max() < 2 ** -7
+
+
+@needs_triton
+def test_product_plus_kernel_compiles_for_an_h100_within_its_shared_memory():
+    # As the ReLU² kernel's test: wgmma products fed by tensor-memory copies, within an H100's shared memory.
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    tiles = kernels.PRODUCT_PLUS_TILES
+    bm, bn, bk = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
+    signature = {"m_desc": f"tensordesc<bf16[1,{bm},{bk}]>", "x_desc": f"tensordesc<bf16[1,{bk},{bn}]>",
+                 "added_desc": f"tensordesc<bf16[1,{bm},{bn}]>", "out_desc": f"tensordesc<bf16[1,{bm},{bn}]>",
+                 "K": "i32", "beta": "fp32", "TILES_M": "constexpr", "TILES_N": "constexpr", "DOT_FP32": "constexpr",
+                 "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+    source = ASTSource(fn=kernels._product_plus_tiles, signature=signature,
+                       constexprs={"TILES_M": 768 // bm, "TILES_N": 2304 // bn, "DOT_FP32": False, "BLOCK_M": bm,
+                                   "BLOCK_N": bn, "BLOCK_K": bk})
     compiled = kernels.triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                       options={"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]})
     ptx = compiled.asm["ptx"]
