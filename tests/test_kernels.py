@@ -20,6 +20,22 @@ needs_triton = pytest.mark.skipif(kernels.triton is None, reason="Triton is not 
                                                                   "requirements.txt has it on Linux)")
 
 
+def under_interpreter(tmp_path, inputs, body: str):
+    """Runs `body` in a child Python with TRITON_INTERPRET=1, which Triton reads when it is imported: `kernels`
+    and `torch` imported, `inputs` loaded; returns whatever the body leaves in `out`."""
+    torch.save(inputs, tmp_path / "in.pt")
+    child = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(REPO)!r})
+        import kernels
+        inputs = torch.load({str(tmp_path / "in.pt")!r})
+    """) + textwrap.dedent(body) + f"torch.save(out, {str(tmp_path / 'out.pt')!r})\n"
+    env = dict(os.environ, TRITON_INTERPRET="1")  # the rest kept: a user-site torch needs HOME, for one
+    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return torch.load(tmp_path / "out.pt")
+
+
 def contract_inputs(width: int, vocab: int, dtype=torch.float64, rows: int = 6, seed: int = 0, n_targets: int = 0):
     """Logits spread wide enough that the cap bends them, one ignored row, a target in the last column. With
     n_targets, (rows, n_targets) targets: the first column as above, the others ignored in a row of their own
@@ -100,20 +116,11 @@ def test_triton_kernel_matches_the_torch_version_under_the_interpreter(tmp_path)
         logits, targets = contract_inputs(width, vocab, dtype, seed=i, n_targets=n_targets)
         bias = column_bias(width, biased)
         cases.append((cap, vocab, logits, targets, target_weights(n_targets), None if bias is None else bias.float()))
-    torch.save(cases, tmp_path / "cases.pt")
-    child = textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, {str(REPO)!r})
-        import kernels
+    results = under_interpreter(tmp_path, cases, """
         assert kernels.INTERPRETING and kernels.triton_runs_on(torch.device("cpu"))
-        cases = torch.load({str(tmp_path / "cases.pt")!r})
-        torch.save([kernels.softcap_cross_entropy(l, t, v, c, w, b) for c, v, l, t, w, b in cases],
-                   {str(tmp_path / "out.pt")!r})
+        out = [kernels.softcap_cross_entropy(l, t, v, c, w, b) for c, v, l, t, w, b in inputs]
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")  # the rest kept: a user-site torch needs HOME, for one
-    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    for (cap, vocab, logits, targets, weights, bias), (losses, grad) in zip(cases, torch.load(tmp_path / "out.pt")):
+    for (cap, vocab, logits, targets, weights, bias), (losses, grad) in zip(cases, results):
         want_losses, want_grad = kernels.softcap_cross_entropy_torch(logits, targets, vocab, cap, weights, bias)
         assert losses.dtype == torch.float32 and losses.shape == targets.shape and grad.dtype == logits.dtype
         torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=2e-5)
@@ -194,21 +201,12 @@ RELU2_CASES = [(100, 96, 200, torch.bfloat16), (70, 40, 136, torch.bfloat16), (6
 @needs_triton
 def test_relu2_kernel_matches_the_torch_version_under_the_interpreter(tmp_path):
     cases = [relu2_inputs(M, K, N, dtype, seed=i) for i, (M, K, N, dtype) in enumerate(RELU2_CASES)]
-    torch.save(cases, tmp_path / "cases.pt")
-    child = textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, {str(REPO)!r})
-        import kernels
+    results = under_interpreter(tmp_path, cases, """
         out = []
-        for a, w_fc, w_proj, post in torch.load({str(tmp_path / "cases.pt")!r}):
+        for a, w_fc, w_proj, post in inputs:
             ran = kernels.relu2_kernel_takes(a, w_fc.t()), kernels.relu2_kernel_takes(a, w_proj)
             out.append((ran, kernels.relu2_product(a, w_fc.t()), kernels.relu2_product(a, w_proj, post)))
-        torch.save(out, {str(tmp_path / "out.pt")!r})
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    results = torch.load(tmp_path / "out.pt")
     for (M, K, N, dtype), (a, w_fc, w_proj, post), (ran, got_post, got_grad) in zip(RELU2_CASES, cases, results):
         assert ran == ((N * 2) % 16 == 0,) * 2  # the kernel ran wherever the output rows are 16-byte units
         # The contract with the sums in float64 (torch's 16-bit products on CPU round differently from GPUs'),
@@ -309,23 +307,15 @@ BLOCK_CASES = [(2, 3, 96, 32, 32, torch.bfloat16, True), (1, 2, 64, 16, 64, torc
 def test_block_attention_kernel_matches_the_contract_under_the_interpreter(tmp_path):
     cases = [block_inputs(B, H, T, D, dtype, heads_last, seed=i)
              for i, (B, H, T, D, block, dtype, heads_last) in enumerate(BLOCK_CASES)]
-    torch.save([(case, spec[4]) for case, spec in zip(cases, BLOCK_CASES)], tmp_path / "cases.pt")
-    child = textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, {str(REPO)!r})
-        import kernels
+    results = under_interpreter(tmp_path, [(case, spec[4]) for case, spec in zip(cases, BLOCK_CASES)], """
         out = []
-        for (q, k, v, do), block in torch.load({str(tmp_path / "cases.pt")!r}):
+        for (q, k, v, do), block in inputs:
             q, k, v = (t.requires_grad_(True) for t in (q, k, v))
             assert kernels.block_attention_kernel_takes(q, k, v, block)
             o, lse = torch.ops.speedrun.block_attention(q, k, v, block)
             out.append((o.detach(), lse, *torch.autograd.grad(o, (q, k, v), do)))
-        torch.save(out, {str(tmp_path / "out.pt")!r})
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
-    for (B, H, T, D, block, dtype, _), (q, k, v, do), got in zip(BLOCK_CASES, cases, torch.load(tmp_path / "out.pt")):
+    for (B, H, T, D, block, dtype, _), (q, k, v, do), got in zip(BLOCK_CASES, cases, results):
         wide = [t.double().requires_grad_(True) for t in (q, k, v)]
         want_o, want_lse = kernels.block_attention_torch(*wide, block)
         want = (want_o, want_lse, *torch.autograd.grad(want_o, wide, do.double()))
@@ -381,12 +371,8 @@ def test_block_attention_ops_take_any_layout_under_the_interpreter(tmp_path):
     # What a compiled graph or autograd hands the custom ops may have its head dimension strided: the ops copy it
     # to unit stride and compute what they compute for contiguous inputs.
     q, k, v, do = block_inputs(1, 2, 32, 16, torch.float16, heads_last=False, seed=5)
-    torch.save((q, k, v, do), tmp_path / "in.pt")
-    child = textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, {str(REPO)!r})
-        import kernels
-        q, k, v, do = torch.load({str(tmp_path / "in.pt")!r})
+    contiguous, strided = under_interpreter(tmp_path, (q, k, v, do), """
+        q, k, v, do = inputs
         def strided(t):  # the same values, the head dimension 2 elements apart
             return torch.stack([t, t], dim=-1)[..., 0]
         out = []
@@ -394,12 +380,7 @@ def test_block_attention_ops_take_any_layout_under_the_interpreter(tmp_path):
             o, lse = torch.ops.speedrun.block_attention(make(q), make(k), make(v), 16)
             grads = torch.ops.speedrun.block_attention_backward(make(q), make(k), make(v), o, lse, make(do), 16)
             out.append((o, lse, *grads))
-        torch.save(out, {str(tmp_path / "out.pt")!r})
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    contiguous, strided = torch.load(tmp_path / "out.pt")
     assert q.stride(-1) == 1
     for a, b in zip(contiguous, strided):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -473,19 +454,11 @@ SYMMETRIC_CASES = [(3, 48, 40, torch.bfloat16, False, False, 1.0, 0.0),
 def test_symmetric_kernel_matches_the_contract_under_the_interpreter(tmp_path):
     cases = [symmetric_inputs(n, m, k, dtype, col, seed=i, square_symmetric=sym)
              for i, (n, m, k, dtype, col, sym, _, _) in enumerate(SYMMETRIC_CASES)]
-    torch.save([(x, alpha, beta) for x, (*_, alpha, beta) in zip(cases, SYMMETRIC_CASES)], tmp_path / "cases.pt")
-    child = textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, {str(REPO)!r})
-        import kernels
+    inputs = [(x, alpha, beta) for x, (*_, alpha, beta) in zip(cases, SYMMETRIC_CASES)]
+    results = under_interpreter(tmp_path, inputs, """
         out = [(kernels.symmetric_kernel_takes(x, beta), kernels.symmetric_product(x, alpha, beta))
-               for x, alpha, beta in torch.load({str(tmp_path / "cases.pt")!r})]
-        torch.save(out, {str(tmp_path / "out.pt")!r})
+               for x, alpha, beta in inputs]
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    results = torch.load(tmp_path / "out.pt")
     for (n, m, k, dtype, _, _, alpha, beta), x, (ran, got) in zip(SYMMETRIC_CASES, cases, results):
         assert ran and got.dtype == dtype and got.shape == (n, m, m)
         assert torch.equal(got, got.mT)  # each tile above the diagonal is the transpose of one below
@@ -579,19 +552,9 @@ PRODUCT_PLUS_CASES = [(3, 40, 72, torch.bfloat16, 3.4445),
 @needs_triton
 def test_product_plus_kernel_matches_the_contract_under_the_interpreter(tmp_path):
     cases = [product_plus_inputs(n, r, c, dtype, seed=i) for i, (n, r, c, dtype, _) in enumerate(PRODUCT_PLUS_CASES)]
-    torch.save([(m, x, case[-1]) for (m, x), case in zip(cases, PRODUCT_PLUS_CASES)], tmp_path / "cases.pt")
-    child = textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, {str(REPO)!r})
-        import kernels
-        out = [(kernels.product_plus_kernel_takes(m, x), kernels.product_plus(m, x, beta))
-               for m, x, beta in torch.load({str(tmp_path / "cases.pt")!r})]
-        torch.save(out, {str(tmp_path / "out.pt")!r})
+    results = under_interpreter(tmp_path, [(m, x, case[-1]) for (m, x), case in zip(cases, PRODUCT_PLUS_CASES)], """
+        out = [(kernels.product_plus_kernel_takes(m, x), kernels.product_plus(m, x, beta)) for m, x, beta in inputs]
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    results = torch.load(tmp_path / "out.pt")
     for (n, r, c, dtype, beta), (m, x), (ran, got) in zip(PRODUCT_PLUS_CASES, cases, results):
         assert ran and got.dtype == dtype and got.shape == (n, r, c) and got.is_contiguous()
         want = m.double() @ x.double() + beta * x.double()
