@@ -36,6 +36,25 @@ def under_interpreter(tmp_path, inputs, body: str):
     return torch.load(tmp_path / "out.pt")
 
 
+def cuda_build(fn, signature: dict, constexprs: dict, arch: int, **options):
+    """The CUDA build of the Triton kernel fn for a GPU of `arch` (80, 86, 89, 90), compiled without a GPU:
+    signature types the runtime arguments by name, constexprs gives the compile-time ones, options the launch's
+    num_warps and num_stages."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    return kernels.triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def assert_fits_an_h100_with_wgmma_and_tma(compiled):
+    """Its products are Hopper's wgmma instructions fed by tensor-memory copies, and its buffers fit the 227 KB of
+    shared memory an H100 gives one program (more fails at launch: "out of resource: shared memory")."""
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert compiled.metadata.shared <= SHARED_MEMORY[90]
+
+
 def contract_inputs(width: int, vocab: int, dtype=torch.float64, rows: int = 6, seed: int = 0, n_targets: int = 0):
     """Logits spread wide enough that the cap bends them, one ignored row, a target in the last column. With
     n_targets, (rows, n_targets) targets: the first column as above, the others ignored in a row of their own
@@ -137,15 +156,11 @@ def test_triton_kernel_matches_the_torch_version_under_the_interpreter(tmp_path)
 def test_triton_kernel_compiles_for_each_gpu_generation_with_the_fast_tanh(arch, cap, biased):
     # The CUDA build of the kernel (tanh.approx, which the interpreter cannot run) compiled to PTX without
     # a GPU: a kernel that does not compile, or a softcap that is not the single instruction, fails here.
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     signature = {"logits_ptr": "*bf16", "grad_ptr": "*bf16", "targets_ptr": "*i64", "weights_ptr": "*fp32",
                  "bias_ptr": "*fp32", "losses_ptr": "*fp32", "logits_stride": "i32", "grad_stride": "i32",
-                 "vocab": "i32", "width": "i32", "CAP": "constexpr", "FAST_TANH": "constexpr",
-                 "HAS_BIAS": "constexpr", "N_TARGETS": "constexpr", "BLOCK": "constexpr"}
-    source = ASTSource(fn=kernels._softcap_cross_entropy_rows, signature=signature,
-                       constexprs={"CAP": cap, "FAST_TANH": True, "HAS_BIAS": biased, "N_TARGETS": 3, "BLOCK": 2048})
-    ptx = kernels.triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4}).asm["ptx"]
+                 "vocab": "i32", "width": "i32"}
+    constexprs = {"CAP": cap, "FAST_TANH": True, "HAS_BIAS": biased, "N_TARGETS": 3, "BLOCK": 2048}
+    ptx = cuda_build(kernels._softcap_cross_entropy_rows, signature, constexprs, arch, num_warps=4).asm["ptx"]
     assert f".target sm_{arch}" in ptx
     assert ("tanh.approx.f32" in ptx) == bool(cap)
 
@@ -231,28 +246,18 @@ def test_relu2_kernel_matches_the_torch_version_under_the_interpreter(tmp_path):
 @needs_triton
 @pytest.mark.parametrize("forward", [True, False])
 def test_relu2_kernel_compiles_for_an_h100_within_its_shared_memory(forward):
-    # The CUDA build at the tiles and stages the kernel runs with, compiled without a GPU: its products must be
-    # Hopper's wgmma instructions fed by tensor-memory copies, and its buffers must fit the 227 KB of shared
-    # memory an H100 gives one program (more fails at launch: "out of resource: shared memory").
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    # The CUDA build at the tiles and stages the kernel runs with, compiled without a GPU.
     tiles = kernels.RELU2_TILES
     bm, bn, bk = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
     b_block = [bn, bk] if forward else [bk, bn]  # the forward's b is a Linear's weight, transposed
     signature = {"a_desc": f"tensordesc<bf16[{bm},{bk}]>", "b_desc": f"tensordesc<bf16{b_block}>".replace(" ", ""),
                  "out_desc": f"tensordesc<bf16[{bm},{bn // 2}]>", "post_desc": f"tensordesc<bf16[{bm},{bn // 2}]>",
-                 "M": "i32", "N": "i32", "K": "i32", "FORWARD": "constexpr", "B_TRANSPOSED": "constexpr",
-                 "DOT_FP32": "constexpr", "PROGRAMS": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                 "BLOCK_K": "constexpr"}
-    source = ASTSource(fn=kernels._relu2_product_tiles, signature=signature,
-                       constexprs={"FORWARD": forward, "B_TRANSPOSED": forward, "DOT_FP32": False, "PROGRAMS": 132,
-                                   "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk})
+                 "M": "i32", "N": "i32", "K": "i32"}
+    constexprs = {"FORWARD": forward, "B_TRANSPOSED": forward, "DOT_FP32": False, "PROGRAMS": 132, "BLOCK_M": bm,
+                  "BLOCK_N": bn, "BLOCK_K": bk}
     stages = kernels.RELU2_STAGES["forward" if forward else "backward"]
-    compiled = kernels.triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": tiles["num_warps"], "num_stages": stages})
-    ptx = compiled.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    assert compiled.metadata.shared <= 232_448
+    assert_fits_an_h100_with_wgmma_and_tma(cuda_build(kernels._relu2_product_tiles, signature, constexprs, 90,
+                                                      num_warps=tiles["num_warps"], num_stages=stages))
 
 
 # -----------------------------------------------------------------------------
@@ -333,8 +338,6 @@ def test_block_attention_kernel_matches_the_contract_under_the_interpreter(tmp_p
 
 def block_attention_build(backward: bool, arch: int):
     """The CUDA build of a block-attention kernel for a GPU of `arch`, at the tiles and stages it launches with."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     tiles = kernels.BLOCK_ATTENTION_TILES["backward" if backward else "forward"]
     names = (["q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "lse_ptr", "dq_ptr", "dk_ptr", "dv_ptr"] if backward
              else ["q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr"])
@@ -344,11 +347,9 @@ def block_attention_build(backward: bool, arch: int):
     signature.update(H="i32", T="i32", sm_scale="fp32")
     constexprs = dict(BLOCK=256, D=128, DOT_FP32=False,
                       **{k: v for k, v in tiles.items() if k not in ("num_warps", "num_stages")})
-    signature.update({name: "constexpr" for name in constexprs})
     kernel = kernels._block_attention_backward if backward else kernels._block_attention_forward
-    return kernels.triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]})
+    return cuda_build(kernel, signature, constexprs, arch, num_warps=tiles["num_warps"],
+                      num_stages=tiles["num_stages"])
 
 
 # Shared memory one program may take: A100 163 KB, RTX 3090 / 4090 99 KB, H100 227 KB.
@@ -472,25 +473,17 @@ def test_symmetric_kernel_matches_the_contract_under_the_interpreter(tmp_path):
 @needs_triton
 @pytest.mark.parametrize("k_major, added", [(False, False), (True, False), (False, True)])
 def test_symmetric_kernel_compiles_for_an_h100_within_its_shared_memory(k_major, added):
-    # As the ReLU² kernel's test: wgmma products fed by tensor-memory copies, within an H100's shared memory.
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     tiles = kernels.SYMMETRIC_TILES
     block, block_k = tiles["BLOCK"], tiles["BLOCK_K"]
     x_block = [1, block_k, block] if k_major else [1, block, block_k]
     signature = {"x_desc": f"tensordesc<bf16{x_block}>".replace(" ", ""),
                  "added_desc": f"tensordesc<bf16[1,{block},{block}]>",
                  "out_desc": f"tensordesc<bf16[1,{block},{block}]>",
-                 "K": "i32", "alpha": "fp32", "beta": "fp32", "SIDE": "constexpr", "ADDED": "constexpr",
-                 "K_MAJOR": "constexpr", "DOT_FP32": "constexpr", "BLOCK": "constexpr", "BLOCK_K": "constexpr"}
-    source = ASTSource(fn=kernels._symmetric_product_tiles, signature=signature,
-                       constexprs={"SIDE": 768 // block, "ADDED": added, "K_MAJOR": k_major, "DOT_FP32": False,
-                                   "BLOCK": block, "BLOCK_K": block_k})
-    compiled = kernels.triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]})
-    ptx = compiled.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    assert compiled.metadata.shared <= 232_448
+                 "K": "i32", "alpha": "fp32", "beta": "fp32"}
+    constexprs = {"SIDE": 768 // block, "ADDED": added, "K_MAJOR": k_major, "DOT_FP32": False, "BLOCK": block,
+                  "BLOCK_K": block_k}
+    assert_fits_an_h100_with_wgmma_and_tma(cuda_build(kernels._symmetric_product_tiles, signature, constexprs, 90,
+                                                      num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]))
 
 
 # -----------------------------------------------------------------------------
@@ -565,20 +558,12 @@ def test_product_plus_kernel_matches_the_contract_under_the_interpreter(tmp_path
 
 @needs_triton
 def test_product_plus_kernel_compiles_for_an_h100_within_its_shared_memory():
-    # As the ReLU² kernel's test: wgmma products fed by tensor-memory copies, within an H100's shared memory.
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     tiles = kernels.PRODUCT_PLUS_TILES
     bm, bn, bk = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
     signature = {"m_desc": f"tensordesc<bf16[1,{bm},{bk}]>", "x_desc": f"tensordesc<bf16[1,{bk},{bn}]>",
                  "added_desc": f"tensordesc<bf16[1,{bm},{bn}]>", "out_desc": f"tensordesc<bf16[1,{bm},{bn}]>",
-                 "K": "i32", "beta": "fp32", "TILES_M": "constexpr", "TILES_N": "constexpr", "DOT_FP32": "constexpr",
-                 "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
-    source = ASTSource(fn=kernels._product_plus_tiles, signature=signature,
-                       constexprs={"TILES_M": 768 // bm, "TILES_N": 2304 // bn, "DOT_FP32": False, "BLOCK_M": bm,
-                                   "BLOCK_N": bn, "BLOCK_K": bk})
-    compiled = kernels.triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]})
-    ptx = compiled.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    assert compiled.metadata.shared <= 232_448
+                 "K": "i32", "beta": "fp32"}
+    constexprs = {"TILES_M": 768 // bm, "TILES_N": 2304 // bn, "DOT_FP32": False, "BLOCK_M": bm, "BLOCK_N": bn,
+                  "BLOCK_K": bk}
+    assert_fits_an_h100_with_wgmma_and_tma(cuda_build(kernels._product_plus_tiles, signature, constexprs, 90,
+                                                      num_warps=tiles["num_warps"], num_stages=tiles["num_stages"]))
