@@ -1298,7 +1298,8 @@ class HeadCrossEntropy(torch.autograd.Function):
     computed in the forward pass (kernels.softcap_cross_entropy: a Triton kernel on CUDA that reads the
     logits once, inductor's fusion of the same math elsewhere). Autograd's version keeps the (N, vocab)
     logits and passes over them three more times in the backward (log-softmax's, tanh's and the cast's
-    backward); here the backward is the two head products only. Products in `dtype` (bf16 under
+    backward); here the forward also runs the two products that carry that gradient back to h and w, and
+    keeps only their (N, d) and (V, d) results for the backward, which scales them. Products in `dtype` (bf16 under
     autocast), the softmax in at least fp32. Shapes: h (N, d), w (V, d), targets (N, M): M targets per
     position scored against the same logits (GPT.head_loss's extra targets), weights (M,), and bias (V,) or
     None: a constant added to each column's softcapped logit (GPT.head_loss's sampled softmax).
@@ -1335,19 +1336,20 @@ class HeadCrossEntropy(torch.autograd.Function):
         losses, grad = kernels.softcap_cross_entropy(logits, targets, V, cap, target_weights, bias)
         means = losses.sum(dim=0) / counts
         ctx.mark_non_differentiable(means)
-        ctx.save_for_backward(h_c, w_c, grad, counts[0])
-        ctx.dtypes, ctx.vocab = (h.dtype, w.dtype), V
+        # The loss ends the graph, so its gradient is whole here up to the incoming scalar: the two products
+        # that carry it back run now, and the backward keeps their (N, d) and (V, d) results instead of the
+        # (N, V) gradient. The mean's 1/count scales those results, not the gradient.
+        grad_h = (grad @ w_c) / counts[0]
+        grad_w = (grad.t() @ h_c)[:V] / counts[0]
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = (h.dtype, w.dtype)
         return (weights * means).sum(), means
 
     @staticmethod
     def backward(ctx, grad_objective, grad_means):
-        h_c, w_c, grad, count = ctx.saved_tensors
-        # The mean's 1/count and the incoming scalar scale the two (N, d) and (V, d) products, not the
-        # (N, V) gradient.
-        scale = grad_objective / count
-        grad_h = (grad @ w_c) * scale
-        grad_w = (grad.t() @ h_c)[:ctx.vocab] * scale
-        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None, None
+        grad_h, grad_w = ctx.saved_tensors
+        return ((grad_h * grad_objective).to(ctx.dtypes[0]), (grad_w * grad_objective).to(ctx.dtypes[1]),
+                None, None, None, None, None, None)
 
 
 def check_head_loss_kernel(device: torch.device):

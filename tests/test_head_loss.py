@@ -62,6 +62,21 @@ def test_head_cross_entropy_matches_autograd_through_the_logits(cap, vocab):
         lambda a, b: HeadCrossEntropy.apply(a, b, targets[:, None], one, cap, torch.float64)[0], (h, w))
 
 
+def test_head_cross_entropy_keeps_no_logits_sized_tensor_for_its_backward():
+    # Its backward needs only the products' (N, d) and (V, d) results: an (N, V) tensor kept from the forward
+    # would hold a micro-batch's logits in memory until the backward.
+    from train_gpt2 import HeadCrossEntropy
+    N, V, d = 24, 64, 8
+    h = torch.randn(N, d, requires_grad=True)
+    w = torch.randn(V, d, requires_grad=True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(tuple(t.shape)) or t, lambda t: t):
+        fused, _ = HeadCrossEntropy.apply(h, w, torch.randint(0, V, (N, 1)), torch.ones(1), 3.0, torch.float32)
+    assert sorted(kept) == [(N, d), (V, d)]
+    fused.backward()
+    assert h.grad.shape == (N, d) and w.grad.shape == (V, d)
+
+
 @pytest.mark.parametrize("cap", [0.0, 3.0])
 def test_head_cross_entropy_with_several_targets_is_the_weighted_sum_of_their_means(cap):
     # Columns with different numbers of ignored targets (as the extra targets have at a row's end), one target
