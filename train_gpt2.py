@@ -821,24 +821,24 @@ class MLP(nn.Module):
         self.fused = config.fused_relu2
 
     def forward(self, x):
-        if self.fused and self.training and fused_relu2_runs(x):
-            return ReLU2MLP.apply(x, self.c_fc.weight, self.c_proj.weight, compute_dtype(x))
+        if self.fused and self.training:
+            return ReLU2MLP.apply(x, self.c_fc.weight, self.c_proj.weight, compute_dtype(x), fused_relu2_runs(x))
         return self.c_proj(mlp_activation(self.c_fc(x), self.act))
 
 
 def fused_relu2_runs(x: torch.Tensor) -> bool:
-    """Whether fused_relu2 runs on x's device. On CUDA its kernel needs Triton and an sm_90+ GPU (H100): its
-    tiles take more shared memory than an A100's or an RTX 4090's; elsewhere a notice says the MLP runs
-    unfused (the same math, as fast as without the flag). On CPU the autograd function runs with torch's
-    products, which keeps the path testable there."""
+    """Whether fused_relu2's kernel runs on x's device. On CUDA it needs Triton and an sm_90+ GPU (H100): its
+    tiles take more shared memory than an A100's or an RTX 4090's; elsewhere a notice says the MLP's products
+    run in cuBLAS, with ReLU² in passes of their own (the same math, as fast as without the flag, and keeping
+    only the square). On CPU the kernel's custom op runs torch's products, which keeps it testable there."""
     if x.device.type == "cpu":
         return True
     if x.device.type == "cuda" and kernels.triton_runs_on(x.device):
         if torch.cuda.get_device_capability(x.device) >= (9, 0):
             return True
     name = torch.cuda.get_device_name(x.device) if x.device.type == "cuda" else x.device.type
-    notice(f"fused_relu2: its kernel needs Triton and an sm_90+ GPU (H100), not {name}; the MLP runs unfused "
-           "(the same math)")
+    notice(f"fused_relu2: its kernel needs Triton and an sm_90+ GPU (H100), not {name}; the MLP's products run in "
+           "cuBLAS, ReLU² in passes of their own (the same math)")
     return False
 
 
@@ -847,26 +847,30 @@ class ReLU2MLP(torch.autograd.Function):
     of the backward's product through c_proj (kernels.relu2_product). Autograd's version passes over the
     (tokens, hidden) activations once more each way. Saves only the square, which the backward's product
     needs anyway: relu(c_fc(x)) is its square root, so the product c_fc(x) is never stored (autograd's version
-    keeps both). Products in `dtype` (bf16 under autocast); gradients returned in the inputs' dtypes."""
+    keeps both). Products in `dtype` (bf16 under autocast); gradients returned in the inputs' dtypes.
+    Without the kernel (kernel False), the same contract in torch ops (kernels.relu2_product_torch), which
+    torch.compile traces: cuBLAS's products, ReLU² and its derivative in inductor's passes, still keeping only
+    the square."""
 
     @staticmethod
-    def forward(ctx, x, w_fc, w_proj, dtype: torch.dtype):
+    def forward(ctx, x, w_fc, w_proj, dtype: torch.dtype, kernel: bool = True):
         rows = x.to(dtype).reshape(-1, x.size(-1))
         w_fc_c, w_proj_c = w_fc.to(dtype), w_proj.to(dtype)
-        post = kernels.relu2_product(rows, w_fc_c.t())
+        product = kernels.relu2_product if kernel else kernels.relu2_product_torch
+        post = product(rows, w_fc_c.t())
         ctx.save_for_backward(rows, w_fc_c, w_proj_c, post)
-        ctx.dtypes = (x.dtype, w_fc.dtype, w_proj.dtype)
+        ctx.dtypes, ctx.product = (x.dtype, w_fc.dtype, w_proj.dtype), product
         return (post @ w_proj_c.t()).view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad_out):
         rows, w_fc_c, w_proj_c, post = ctx.saved_tensors
         grad_rows = grad_out.reshape(-1, grad_out.size(-1)).to(w_proj_c.dtype)
-        grad_pre = kernels.relu2_product(grad_rows, w_proj_c, post)
+        grad_pre = ctx.product(grad_rows, w_proj_c, post)
         grad_x = (grad_pre @ w_fc_c).view(*grad_out.shape[:-1], -1)
         grad_w_fc, grad_w_proj = grad_pre.t() @ rows, grad_rows.t() @ post
         x_dtype, w_fc_dtype, w_proj_dtype = ctx.dtypes
-        return grad_x.to(x_dtype), grad_w_fc.to(w_fc_dtype), grad_w_proj.to(w_proj_dtype), None
+        return grad_x.to(x_dtype), grad_w_fc.to(w_fc_dtype), grad_w_proj.to(w_proj_dtype), None, None
 
 
 class MoE(nn.Module):

@@ -132,8 +132,40 @@ def test_fused_relu2_runs_unfused_with_a_notice_where_its_kernel_cannot(monkeypa
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     assert not train_gpt2.fused_relu2_runs(on_gpu)
     assert ("notice: fused_relu2: its kernel needs Triton and an sm_90+ GPU (H100), not NVIDIA GeForce RTX 4090; "
-            "the MLP runs unfused (the same math)") in capsys.readouterr().err
+            "the MLP's products run in cuBLAS, ReLU² in passes of their own (the same math)") in capsys.readouterr().err
     assert train_gpt2.fused_relu2_runs(SimpleNamespace(device=torch.device("cpu")))  # the testable path
+
+
+def test_fused_relu2_without_its_kernel_keeps_only_the_square_in_torchs_ops(monkeypatch):
+    # Where the kernel cannot run (an RTX 4090), the MLP still saves relu(pre)² alone for the backward, in ops
+    # that torch.compile traces: the same gradients as autograd's MLP, one (tokens, hidden) tensor less kept.
+    import train_gpt2
+    calls = spy_on_relu2_products(monkeypatch)
+    monkeypatch.setattr(train_gpt2, "fused_relu2_runs", lambda x: False)
+    torch.manual_seed(0)
+    config = with_overrides(TINY, mlp_act="relu2")
+    fused, plain = MLP(with_overrides(config, fused_relu2=True)).double(), MLP(config).double()
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(3, 7, 64, dtype=torch.float64)
+    x_fused, x_plain = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    upstream = torch.randn(3, 7, 64, dtype=torch.float64)
+    kept = {}
+    for name, mlp, inputs in (("fused", fused, x_fused), ("plain", plain, x_plain)):
+        storages = kept.setdefault(name, set())  # the (tokens, hidden) tensors kept, by their memory
+
+        def pack(t, storages=storages):
+            if t.numel() == 21 * config.mlp_hidden_size:
+                storages.add(t.untyped_storage().data_ptr())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = mlp(inputs)
+        (out * upstream).sum().backward()
+    assert calls == []  # not the kernel's op
+    assert len(kept["fused"]) == 1 and len(kept["plain"]) == 2
+    for got, want in ((x_fused.grad, x_plain.grad), (fused.c_fc.weight.grad, plain.c_fc.weight.grad),
+                      (fused.c_proj.weight.grad, plain.c_proj.weight.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch._dynamo.explain(fused)(x_fused).graph_break_count == 0
 
 
 def test_d12_fast_trains_its_mlp_fused():
