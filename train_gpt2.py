@@ -205,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how many tokens at the start of the training data the frequency draws count: a fixed "
                         "amount, so that the draws do not depend on how many shards are present (the +1 of each "
                         "count weighs more the fewer tokens are counted)")
+    g.add_argument("--sampled_softmax_tokens", type=int, default=0,
+                   help="positions per sample of the sampled softmax: each run of this many positions of a "
+                        "micro-batch is scored against its own columns (its own targets plus others drawn), so "
+                        "a step trains the same whether its micro-batches hold one such run or several. 0: one "
+                        "sample per micro-batch")
     g.add_argument("--weight_decay", type=float, default=0.1,
                    help="decoupled weight decay of every parameter (--optimizer muon: but the gains and mixing "
                         "scalars, and of Muon's matrices only without --cautious_weight_decay)")
@@ -403,6 +408,16 @@ def check_sampled_softmax(args, config: GPTConfig):
         raise InputError("--sampled_softmax and --sampled_softmax_iters go together: the sampled softmax of "
                          "--sampled_softmax columns trains for --sampled_softmax_iters steps; pass both (> 0) "
                          "or neither")
+    micro_tokens, group = args.batch_size * args.sequence_length, args.sampled_softmax_tokens
+    if group < 0:
+        raise InputError(f"--sampled_softmax_tokens {group}: pass how many tokens each sample covers, or 0 for one "
+                         "sample per micro-batch")
+    if args.sampled_softmax and group and micro_tokens > group and micro_tokens % group:
+        raise InputError(f"--sampled_softmax_tokens {group} must divide the micro-batch's {micro_tokens:,} tokens "
+                         "(--batch_size x --sequence_length); pick a divisor, or 0 for one sample per micro-batch")
+    if args.sampled_softmax and micro_tokens < group:
+        notice(f"--sampled_softmax_tokens {group}: a micro-batch holds {micro_tokens:,} tokens, so each draws its "
+               "own sample, for fewer tokens than that")
     if args.sampled_softmax_count_tokens < 1:
         raise InputError(f"--sampled_softmax_count_tokens {args.sampled_softmax_count_tokens}: pass how many training "
                          f"tokens the frequency draws count (default {FREQUENCY_COUNT_TOKENS:,})")
@@ -962,7 +977,8 @@ class SoftmaxSample(NamedTuple):
     """A training softmax over `columns` columns of the vocabulary instead of all of them (a sampled softmax):
     every token that is a target of the micro-batch, and as many others as are left, drawn uniformly or, with
     `log_weights` (vocab,), in proportion to exp(log_weights). `draws` (vocab,), uniform on [0, 1), decide
-    which others."""
+    which others; (groups, vocab) splits the micro-batch's positions into that many equal runs, each scored
+    against its own columns as if it were a micro-batch of its own."""
     columns: int
     draws: torch.Tensor
     log_weights: torch.Tensor | None = None
@@ -1063,17 +1079,33 @@ class GPT(nn.Module):
         has them). Returns (objective, means): means (1 + K,) holds each target's mean loss, detached, and the
         objective is the next-token mean plus extra_weights[k-1] times the k-th extra mean.
         With a sample, the softmax is over its columns only (sampled_softmax_columns; the logits at hand are
-        the full softmax's, so they go unused), and the means are that softmax's estimates.
+        the full softmax's, so they go unused), and the means are that softmax's estimates; a sample of
+        several groups splits the positions, in order, into that many equal runs and averages their losses.
         A pass that builds a gradient takes HeadCrossEntropy under fused_head_loss (the same math, fewer passes
         over the logits; in training, its logits product in FP8 where fp8_head asks for it), unless the
         logits are at hand."""
-        c = self.config
         n_extra = 0 if extra_weights is None else extra_weights.numel()
         # Column k: the target k tokens further on, -1 where the row ends first.
         stacked = torch.stack([F.pad(targets[:, k:], (0, k), value=-1) for k in range(n_extra + 1)], dim=-1)
         weights = torch.ones(1, device=h.device)
         if n_extra:
             weights = torch.cat([weights, extra_weights.to(weights.dtype)])
+        if sample is not None and sample.draws.dim() == 2:  # groups of positions, each with its own columns
+            groups = sample.draws.size(0)
+            terms = [self.head_loss_of_targets(h_group, stacked_group, weights, None, sample._replace(draws=draws))
+                     for h_group, stacked_group, draws in zip(h.reshape(groups, -1, h.size(-1)),
+                                                              stacked.reshape(groups, -1, n_extra + 1), sample.draws)]
+            objectives, means = zip(*terms)
+            return torch.stack(objectives).mean(), torch.stack(means).mean(dim=0)
+        return self.head_loss_of_targets(h, stacked, weights, logits, sample)
+
+    def head_loss_of_targets(self, h: torch.Tensor, stacked: torch.Tensor, weights: torch.Tensor,
+                             logits: torch.Tensor | None, sample: SoftmaxSample | None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """head_loss once its targets are stacked: h (..., n_embd) against stacked (..., 1 + K), each column's
+        mean weighted by weights (1 + K,); a sample here has one group's draws (vocab,)."""
+        c = self.config
+        n_targets = stacked.size(-1)
         weight, bias = self.lm_head.weight, None
         if sample is not None:
             columns, bias, stacked = sampled_softmax_columns(stacked, sample, c.vocab_size)
@@ -1081,14 +1113,13 @@ class GPT(nn.Module):
         if logits is None and c.fused_head_loss and torch.is_grad_enabled():
             check_head_loss_kernel(h.device)
             fp8 = c.fp8_head and self.training and fp8_runs(h, "fp8_head")
-            return HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight,
-                                          stacked.reshape(-1, n_extra + 1), weights, c.logit_softcap,
-                                          compute_dtype(h), fp8, bias)
+            return HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, stacked.reshape(-1, n_targets), weights,
+                                          c.logit_softcap, compute_dtype(h), fp8, bias)
         if logits is None:
             logits = self.logits(h, weight)
             if bias is not None:
                 logits = logits + bias
-        means = torch.stack([cross_entropy(logits, stacked[..., k]) for k in range(n_extra + 1)])
+        means = torch.stack([cross_entropy(logits, stacked[..., k]) for k in range(n_targets)])
         return (weights * means).sum(), means.detach()
 
     def forward(self, idx, targets=None, return_logits=True, cache: KVCache | None = None,
@@ -2137,16 +2168,23 @@ def softmax_columns_at(step: int, args) -> int:
     return args.sampled_softmax if step < args.sampled_softmax_iters else 0
 
 
-def softmax_sample(step: int, micro_step: int, args, vocab: int, env, log_weights: torch.Tensor | None = None
-                   ) -> SoftmaxSample | None:
-    """The sampled softmax of a micro-batch at `step`, or None for the full softmax; log_weights: the draws'
-    (draw_log_weights), None for uniform draws. The draws depend only on (seed, step, micro_step, rank), so a
-    resumed run draws what the uninterrupted one drew."""
+def softmax_sample(step: int, micro_step: int, args, vocab: int, env, log_weights: torch.Tensor | None = None,
+                   micro_tokens: int = 0) -> SoftmaxSample | None:
+    """The sampled softmax of a micro-batch of micro_tokens tokens at `step`, or None for the full softmax;
+    log_weights: the draws' (draw_log_weights), None for uniform draws. With --sampled_softmax_tokens, one
+    group's draws per that many tokens, numbered on from the step's earlier micro-batches: the step draws the
+    same however its micro-batches are sized. The draws depend only on (seed, step, group, rank), so a resumed
+    run draws what the uninterrupted one drew."""
     columns = softmax_columns_at(step, args)
     if not columns:
         return None
-    generator = torch.Generator(env.device).manual_seed(micro_batch_seed(args.seed, step, micro_step, env.rank))
-    return SoftmaxSample(columns, torch.rand(vocab, generator=generator, device=env.device), log_weights)
+    group = args.sampled_softmax_tokens
+    groups = micro_tokens // group if group and micro_tokens > group else 1
+    draws = []
+    for group in range(micro_step * groups, (micro_step + 1) * groups):
+        generator = torch.Generator(env.device).manual_seed(micro_batch_seed(args.seed, step, group, env.rank))
+        draws.append(torch.rand(vocab, generator=generator, device=env.device))
+    return SoftmaxSample(columns, torch.stack(draws) if groups > 1 else draws[0], log_weights)
 
 
 def draw_log_weights(args, loader: TokenLoader) -> torch.Tensor | None:
@@ -2678,8 +2716,9 @@ class Run:
 def report_sampled_softmax(args, config: GPTConfig, loader: TokenLoader, log: RunLog):
     """Say what the sampled softmax trains on, with the first micro-batch's distinct tokens (about its distinct
     targets): where they outnumber the columns, the positions of the targets left out go untrained."""
-    K = args.sampled_softmax
-    distinct = len(torch.unique(loader.sample_rows(loader.B)))
+    K, group = args.sampled_softmax, args.sampled_softmax_tokens
+    scope = f"first {group:,} tokens" if group else "first micro-batch"
+    distinct = len(torch.unique(loader.sample_rows(loader.B).flatten()[:group or None]))
     draws = args.sampled_softmax_draws
     if draws == "frequency":
         counted = min(args.sampled_softmax_count_tokens, loader.total_tokens)
@@ -2687,7 +2726,7 @@ def report_sampled_softmax(args, config: GPTConfig, loader: TokenLoader, log: Ru
     else:
         draws += " draws"
     log.print(f"sampled softmax: {K:,} of {config.vocab_size:,} columns ({draws}) for the first "
-              f"{args.sampled_softmax_iters:,} steps, against the first micro-batch's {distinct:,} distinct tokens; "
+              f"{args.sampled_softmax_iters:,} steps, against the {distinct:,} distinct tokens of the {scope}; "
               "their logged training loss is that softmax's estimate of the full one (evaluation always scores the "
               "full softmax)")
     if args.sampled_softmax_draws == "frequency" and loader.total_tokens < args.sampled_softmax_count_tokens:
@@ -2695,9 +2734,9 @@ def report_sampled_softmax(args, config: GPTConfig, loader: TokenLoader, log: Ru
                f"than the {args.sampled_softmax_count_tokens:,} of --sampled_softmax_count_tokens, so its draws "
                "differ from a run on more data")
     if distinct > K:
-        notice(f"--sampled_softmax {K}: the first micro-batch holds {distinct:,} distinct tokens, more than the "
-               "columns, so the positions whose target is left out are not trained on; raise --sampled_softmax "
-               "above them or lower --batch_size")
+        notice(f"--sampled_softmax {K}: {distinct:,} distinct tokens in the {scope}, more than the columns, so "
+               "the positions whose target is left out are not trained on; raise --sampled_softmax above them or "
+               f"lower {'--sampled_softmax_tokens' if group else '--batch_size'}")
 
 
 def setup_run(args) -> Run:
@@ -2827,7 +2866,8 @@ def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
         if rows != x.size(1):  # the same tokens in the same order as (B * T / rows, rows)
             x, y = x.reshape(-1, rows), y.reshape(-1, rows)
         drop = blocks_to_drop(step, micro_step, run.args, run.config.n_layer)
-        sample = softmax_sample(step, micro_step, run.args, run.config.vocab_size, run.env, run.draw_log_weights)
+        sample = softmax_sample(step, micro_step, run.args, run.config.vocab_size, run.env, run.draw_log_weights,
+                                x.numel())
         # DDP all-reduces gradients only on the last micro-batch.
         last = micro_step == accumulation - 1
         sync = contextlib.nullcontext() if run.env.world_size == 1 or last else run.model.no_sync()

@@ -119,6 +119,9 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
     check_sampled_softmax(recipe, config)
     columns = recipe.sampled_softmax
     B, T = args.batch_size, args.sequence_length
+    # A sample per the recipe's group of tokens, as the trainer draws, where the micro-batch holds whole groups.
+    group = recipe.sampled_softmax_tokens
+    sample_shape = ((B * T // group,) if group and B * T % group == 0 and B * T > group else ()) + (config.vocab_size,)
     if args.input_bin:
         loader = TokenLoader(args.input_bin, B, T, 0, 1, config.vocab_size, device)
         next_batch = loader.next_batch
@@ -149,7 +152,7 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
             t0 = time.perf_counter()
             x, y = next_batch()
             charge("data loading", t0)
-            sample = (SoftmaxSample(columns, torch.rand(config.vocab_size, device=device), log_weights)
+            sample = (SoftmaxSample(columns, torch.rand(sample_shape, device=device), log_weights)
                       if columns else None)
             with autocast:
                 _, loss, _ = forward(x, y, return_logits=False, sampled_softmax=sample)

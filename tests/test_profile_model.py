@@ -152,7 +152,7 @@ def test_the_step_uses_the_recipes_head_unless_told(monkeypatch):
     forward = train_gpt2.GPT.forward
 
     def recording_forward(self, *args, sampled_softmax=None, **kwargs):
-        heads.append(None if sampled_softmax is None else (sampled_softmax.columns, sampled_softmax.draws.numel(),
+        heads.append(None if sampled_softmax is None else (sampled_softmax.columns, tuple(sampled_softmax.draws.shape),
                                                             sampled_softmax.log_weights))
         return forward(self, *args, sampled_softmax=sampled_softmax, **kwargs)
 
@@ -161,9 +161,9 @@ def test_the_step_uses_the_recipes_head_unless_told(monkeypatch):
     monkeypatch.setitem(train_gpt2.RECIPES["d12_fast"], "sampled_softmax", 300)
     # The recipe's frequency-weighted draws: on random tokens every token weighs the same.
     expected = {(): None,  # the recipe's 300 columns span the 256-token vocabulary: the full softmax
-                ("--sampled_softmax", "0"): None, ("--sampled_softmax", "100"): (100, 256, torch.zeros(256)),
+                ("--sampled_softmax", "0"): None, ("--sampled_softmax", "100"): (100, (256,), torch.zeros(256)),
                 ("--sampled_softmax", "256"): None,  # the whole vocabulary: the full softmax, as in the trainer
-                ("--vocab_size", "1024"): (300, 1024, torch.zeros(1024))}
+                ("--vocab_size", "1024"): (300, (1024,), torch.zeros(1024))}
     for extra, head in expected.items():
         heads.clear()
         profile_model.profile(args_for(*small, "--kernels", "0", *extra))
@@ -174,6 +174,11 @@ def test_the_step_uses_the_recipes_head_unless_told(monkeypatch):
     heads.clear()
     profile_model.profile(args_for(*small, "--kernels", "0", "--sampled_softmax", "100"))
     assert [head[2] for head in heads] == [None] * 3
+    # A sample per 64 tokens: two groups' draws for each micro-batch of 4 x 32 tokens, as the trainer draws.
+    monkeypatch.setitem(train_gpt2.RECIPES["d12_fast"], "sampled_softmax_tokens", 64)
+    heads.clear()
+    profile_model.profile(args_for(*small, "--kernels", "0", "--sampled_softmax", "100"))
+    assert [head[:2] for head in heads] == [(100, (2, 256))] * 3
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):

@@ -210,6 +210,12 @@ def test_the_sampled_softmax_lasts_its_steps_and_draws_by_seed_step_and_micro_ba
                              256, env), softmax_sample(7, 1, args, 256, SimpleNamespace(device=env.device, rank=1))]
     assert not any(torch.equal(first.draws, other.draws) for other in others)
     assert softmax_sample(50, 0, args, 256, env) is None
+    # With --sampled_softmax_tokens, a micro-batch of two groups draws what two micro-batches of one would.
+    grouped = parse("--sampled_softmax", "32", "--sampled_softmax_iters", "50", "--sampled_softmax_tokens", "64")
+    pair = softmax_sample(7, 1, grouped, 256, env, micro_tokens=128)
+    assert pair.draws.shape == (2, 256)
+    assert torch.equal(pair.draws[0], softmax_sample(7, 2, grouped, 256, env, micro_tokens=64).draws)
+    assert torch.equal(pair.draws[1], softmax_sample(7, 3, grouped, 256, env, micro_tokens=64).draws)
 
 
 def test_a_sampled_softmax_run_samples_for_its_steps_and_says_what_its_training_loss_is(tmp_path, shards, capsys,
@@ -219,10 +225,9 @@ def test_a_sampled_softmax_run_samples_for_its_steps_and_says_what_its_training_
     assert main(tiny_run_args(shards, tmp_path, "run", "--sampled_softmax", "64", "--sampled_softmax_iters", "4")) == 0
     out = capsys.readouterr().out
     assert seen == [64] * 8 + [None] * 4  # 6 steps of 2 micro-batches, the last two on the full softmax
-    assert ("sampled softmax: 64 of 256 columns (uniform draws) for the first 4 steps, against the first "
-            "micro-batch's ") in out
-    assert ("distinct tokens; their logged training loss is that softmax's estimate of the full one (evaluation "
-            "always scores the full softmax)") in out
+    assert "sampled softmax: 64 of 256 columns (uniform draws) for the first 4 steps, against the " in out
+    assert ("distinct tokens of the first micro-batch; their logged training loss is that softmax's estimate of "
+            "the full one (evaluation always scores the full softmax)") in out
     steps = [r for r in read_metrics(tmp_path / "run") if "train_loss" in r]
     assert len(steps) == 6 and all(0 < r["train_loss"] < 10 for r in steps)
 
@@ -292,10 +297,44 @@ def test_a_micro_batch_with_more_distinct_tokens_than_columns_gets_a_notice(tmp_
                  "--warmup_iters", "0", "--warmdown_iters", "1")
         assert main(tiny_run_args(shards, tmp_path, f"k{columns}", *flags)) == 0
         captured = capsys.readouterr()
-        assert f"the first micro-batch's {distinct} distinct tokens" in captured.out
-        notice = (f"notice: --sampled_softmax 16: the first micro-batch holds {distinct} distinct tokens, more than "
-                  "the columns, so the positions whose target is left out are not trained on")
+        assert f"the {distinct} distinct tokens of the first micro-batch" in captured.out
+        notice = (f"notice: --sampled_softmax 16: {distinct} distinct tokens in the first micro-batch, more than "
+                  "the columns, so the positions whose target is left out are not trained on; raise "
+                  "--sampled_softmax above them or lower --batch_size")
         assert (notice in captured.err) == warned
+    # With a sample per 32 tokens, the first 32 are what one sample's columns must hold.
+    distinct = len(set(first[:32].tolist()))
+    assert 16 < distinct <= 32
+    assert main(tiny_run_args(shards, tmp_path, "g16", "--sampled_softmax", "16", "--sampled_softmax_iters", "2",
+                              "--num_iterations", "2", "--warmup_iters", "0", "--warmdown_iters", "1",
+                              "--sampled_softmax_tokens", "32")) == 0
+    captured = capsys.readouterr()
+    assert f"the {distinct} distinct tokens of the first 32 tokens" in captured.out
+    assert (f"notice: --sampled_softmax 16: {distinct} distinct tokens in the first 32 tokens, more than the columns, "
+            "so the positions whose target is left out are not trained on; raise --sampled_softmax above them or "
+            "lower --sampled_softmax_tokens") in captured.err
+
+
+def test_a_sampled_softmax_per_group_of_tokens_trains_the_same_however_the_step_is_split(tmp_path, shards, capsys):
+    # Two micro-batches of 2 rows, or one of 4 rows: with a sample per 64 tokens (2 rows of 32) both score every
+    # group against the same columns, and train alike; with a sample per micro-batch they do not.
+    def run(name, batch_size, accumulation, group):
+        flags = ("--sampled_softmax", "48", "--sampled_softmax_iters", "6", "--sampled_softmax_tokens", str(group),
+                 "--batch_size", str(batch_size), "--grad_accumulation_steps", str(accumulation))
+        assert main(tiny_run_args(shards, tmp_path, name, *flags)) == 0
+        rows = read_metrics(tmp_path / name)
+        return [r["train_loss"] for r in rows if "train_loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
+    split = run("split", 2, 2, 64)
+    whole = run("whole", 4, 1, 64)
+    assert len(split[0]) == 6 and len(split[1]) >= 2
+    for got, want in zip(whole, split):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    # Micro-batches smaller than a group draw a sample each, and say so.
+    assert run("small", 2, 2, 128) == run("per_micro_batch", 2, 2, 0)
+    assert ("notice: --sampled_softmax_tokens 128: a micro-batch holds 64 tokens, so each draws its own sample, for "
+            "fewer tokens than that") in capsys.readouterr().err
+    one_sample = run("one_sample", 4, 1, 0)
+    assert one_sample[0][1:] != pytest.approx(split[0][1:], rel=1e-3)
 
 
 def test_sampled_softmax_flags_explain_themselves(tmp_path, shards, capsys):
@@ -308,6 +347,12 @@ def test_sampled_softmax_flags_explain_themselves(tmp_path, shards, capsys):
     assert error("--sampled_softmax_iters", "5") == [together]
     assert error("--sampled_softmax", "-1", "--sampled_softmax_iters", "5") == [
         "error: --sampled_softmax -1: pass how many columns to score (e.g. 16384), or 0 for the full softmax"]
+    assert error("--sampled_softmax", "64", "--sampled_softmax_iters", "5", "--sampled_softmax_tokens", "48") == [
+        "error: --sampled_softmax_tokens 48 must divide the micro-batch's 64 tokens (--batch_size x "
+        "--sequence_length); pick a divisor, or 0 for one sample per micro-batch"]
+    assert error("--sampled_softmax_tokens", "-1") == [
+        "error: --sampled_softmax_tokens -1: pass how many tokens each sample covers, or 0 for one sample per "
+        "micro-batch"]
     assert not (tmp_path / "run").exists()
 
 
