@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tokens/s of models at their FineWeb defaults, the protocol of docs/RESULTS.md's throughput rows: 40 optimizer
-# steps at each model's own batch (its recipe's: 2 micro-batches of 8x4096 for d12_fast) on the P40 proxy
+# steps at each model's own batch (its recipe's: one micro-batch of 16x4096 for d12_fast) on the P40 proxy
 # shards, 4 warmup and 4 cooldown steps, one 16k-token evaluation at the end, no coordinate-descent tuning, under
 # a GPU memory cap (default 22 GiB: does it fit a 24 GB card?), at the full attention window (a recipe's window
 # warmup off: the run measures the steady state, not its first stage). tokens/s is the trainer's median over
