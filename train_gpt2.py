@@ -2181,8 +2181,8 @@ def softmax_sample(step: int, micro_step: int, args, vocab: int, env, log_weight
     group = args.sampled_softmax_tokens
     groups = micro_tokens // group if group and micro_tokens > group else 1
     draws = []
-    for group in range(micro_step * groups, (micro_step + 1) * groups):
-        generator = torch.Generator(env.device).manual_seed(micro_batch_seed(args.seed, step, group, env.rank))
+    for index in range(micro_step * groups, (micro_step + 1) * groups):
+        generator = torch.Generator(env.device).manual_seed(micro_batch_seed(args.seed, step, index, env.rank))
         draws.append(torch.rand(vocab, generator=generator, device=env.device))
     return SoftmaxSample(columns, torch.stack(draws) if groups > 1 else draws[0], log_weights)
 
@@ -2714,9 +2714,11 @@ class Run:
 
 
 def report_sampled_softmax(args, config: GPTConfig, loader: TokenLoader, log: RunLog):
-    """Say what the sampled softmax trains on, with the first micro-batch's distinct tokens (about its distinct
-    targets): where they outnumber the columns, the positions of the targets left out go untrained."""
+    """Say what the sampled softmax trains on, with the distinct tokens of the first sample's positions (about
+    its distinct targets): where they outnumber the columns, the positions of the targets left out go untrained."""
     K, group = args.sampled_softmax, args.sampled_softmax_tokens
+    if not group or group >= loader.B * loader.T:
+        group = 0  # a sample per micro-batch
     scope = f"first {group:,} tokens" if group else "first micro-batch"
     distinct = len(torch.unique(loader.sample_rows(loader.B).flatten()[:group or None]))
     draws = args.sampled_softmax_draws

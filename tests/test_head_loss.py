@@ -363,3 +363,26 @@ def test_the_fused_sampled_softmax_matches_the_plain_head():
     torch.testing.assert_close(fused_objective, plain_objective)
     for got, want in zip(fused_grads, plain_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_sample_of_several_groups_averages_each_groups_own_sampled_softmax(fused):
+    # Rows 0-1 and 2-3 of a micro-batch, each against its own draws: the mean of the two halves' losses as
+    # micro-batches of their own, extra targets (which stop at each row's end) included.
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=64, logit_softcap=15.0, fused_head_loss=fused))
+    h = torch.randn(4, 16, TINY.n_embd, requires_grad=True)
+    targets = torch.randint(0, 40, (4, 16))
+    extra = torch.tensor([0.5])
+    draws = torch.rand(2, 64)
+    objective, means = model.head_loss(h, targets, extra, sample=SoftmaxSample(40, draws))
+    objective.backward()
+    grouped_grad, h.grad = h.grad, None
+    halves = [model.head_loss(h[rows], targets[rows], extra, sample=SoftmaxSample(40, draws[k]))
+              for k, rows in enumerate((slice(0, 2), slice(2, 4)))]
+    torch.testing.assert_close(objective, (halves[0][0] + halves[1][0]) / 2)
+    torch.testing.assert_close(means, (halves[0][1] + halves[1][1]) / 2)
+    ((halves[0][0] + halves[1][0]) / 2).backward()
+    torch.testing.assert_close(grouped_grad, h.grad)
+    whole, _ = model.head_loss(h, targets, extra, sample=SoftmaxSample(40, draws[0]))
+    assert not torch.isclose(whole, objective)  # one sample for all four rows scores other columns
