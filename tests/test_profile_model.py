@@ -114,14 +114,13 @@ def test_the_profiled_compile_is_the_trainers(monkeypatch):
     import torch._inductor.config as inductor_config
     calls = []
     monkeypatch.setattr(profile_model.torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)
-    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
-    monkeypatch.setattr(inductor_config, "combo_kernels", True)
-    profile_model.profile(args_for("--compile", "--kernels", "0", "--compile_mode", "max-autotune-no-cudagraphs"))
-    assert calls == [{"mode": "max-autotune-no-cudagraphs"}]
-    assert inductor_config.coordinate_descent_tuning and not inductor_config.combo_kernels
-    profile_model.profile(args_for("--model", "d12_fast", "--n_layer", "2", "--n_embd", "64", "--n_head", "2",
-                                   "--compile", "--kernels", "0"))
-    assert calls[-1] == {} and not inductor_config.coordinate_descent_tuning and inductor_config.combo_kernels
+    with inductor_config.patch(coordinate_descent_tuning=False, combo_kernels=True):  # put back afterwards
+        profile_model.profile(args_for("--compile", "--kernels", "0", "--compile_mode", "max-autotune-no-cudagraphs"))
+        assert calls == [{"mode": "max-autotune-no-cudagraphs"}]
+        assert inductor_config.coordinate_descent_tuning and not inductor_config.combo_kernels
+        profile_model.profile(args_for("--model", "d12_fast", "--n_layer", "2", "--n_embd", "64", "--n_head", "2",
+                                       "--compile", "--kernels", "0"))
+        assert calls[-1] == {} and not inductor_config.coordinate_descent_tuning and inductor_config.combo_kernels
 
 
 def test_sync_each_step_waits_for_the_device_after_every_timed_step(monkeypatch):
