@@ -7,6 +7,7 @@
 # stage --src ../shared/data/proxy --data DATA_DIR). Output: logs/ablate-<time>/ (runs, logs, table, plot).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/env.sh
 if [ $# -lt 1 ] || [ ! -d "$1" ]; then
   echo "usage: bash scripts/ablate.sh DATA_DIR [MODEL ...] [-- extra flags]  (DATA_DIR must exist)" >&2
   exit 2
@@ -17,9 +18,9 @@ models=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do models+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 if [ ${#models[@]} -eq 0 ]; then
-  read -r -a models <<< "$(python3 -c "from model_variants import VARIANTS
+  read -r -a models <<< "$("$PYTHON" -c "from model_variants import VARIANTS
 print(' '.join(n for n in VARIANTS if n == 'd12' or n.startswith('d12_')))")"
 fi
 work="${OUTPUT_DIR:-logs}/ablate-$(date +%Y%m%d-%H%M%S)"
-exec python3 scripts/proxy.py run P40 "${models[@]}" --data "$data" --work "$work" --flags "$*" \
+exec "$PYTHON" scripts/proxy.py run P40 "${models[@]}" --data "$data" --work "$work" --flags "$*" \
   --plot "$work/ablate.png"

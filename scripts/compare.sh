@@ -9,6 +9,7 @@
 # Output: logs/compare-<time>-<model>/ per run, the table on stdout, logs/compare-<time>.png.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/env.sh
 models=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do models+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
@@ -25,4 +26,4 @@ for model in "${models[@]}"; do
     --output_dir "$output_dir" --run_name "compare-$stamp-$model" "$@"
   runs+=("$output_dir/compare-$stamp-$model")
 done
-python3 scripts/compare_runs.py "${runs[@]}" --plot "$output_dir/compare-$stamp.png"
+"$PYTHON" scripts/compare_runs.py "${runs[@]}" --plot "$output_dir/compare-$stamp.png"

@@ -8,8 +8,9 @@
 # (the trainer says so), so fetch more first: python data/fineweb.py -n N.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/env.sh
 # Train shards of 100M tokens that the schedule and its overtime can read.
-shards=$(python3 -c "import math; from model_variants import RECIPES; r = RECIPES['d12_fast']
+shards=$("$PYTHON" -c "import math; from model_variants import RECIPES; r = RECIPES['d12_fast']
 print(math.ceil((r['num_iterations'] + r['overtime_steps']) * r['total_batch_size'] / 100e6))")
 bash scripts/setup.sh "$shards"
 exec bash scripts/train.sh --model d12_fast \

@@ -12,6 +12,7 @@
 # Output: logs/throughput-<time>/<model>/ per run, then the comparison table on stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/env.sh
 if [ $# -lt 1 ] || [ ! -d "$1" ]; then
   echo "usage: bash scripts/throughput.sh DATA_DIR [MODEL ...] [-- extra flags]  (DATA_DIR must exist)" >&2
   exit 2
@@ -27,7 +28,7 @@ cap=()
 output_dir="${OUTPUT_DIR:-logs}/throughput-$(date +%Y%m%d-%H%M%S)"
 runs=()
 for model in "${models[@]}"; do
-  python3 train_gpt2.py --model "$model" \
+  "$PYTHON" train_gpt2.py --model "$model" \
     --input_bin "$data/mix_train_00000[12].bin" --input_val_bin "$data/mix_val_000000.bin" \
     --num_iterations 40 --warmup_iters 4 --warmdown_iters 4 --val_loss_every 0 --val_tokens 16384 \
     --target_val_loss 0 --window_start 0 --window_iters 0 "${cap[@]}" --no-coordinate_descent_tuning \
@@ -35,4 +36,4 @@ for model in "${models[@]}"; do
   runs+=("$output_dir/$model")
 done
 # 40 steps say nothing about loss: read the tokens/s, MFU, peak memory and compile columns.
-python3 scripts/compare_runs.py "${runs[@]}" --target first
+"$PYTHON" scripts/compare_runs.py "${runs[@]}" --target first

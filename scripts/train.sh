@@ -5,7 +5,8 @@
 # exit 1 and a ChildFailedError report after the trainer's line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/env.sh
 if [ "${NPROC:-1}" = 1 ]; then
-  exec python3 train_gpt2.py "$@"
+  exec "$PYTHON" train_gpt2.py "$@"
 fi
-exec torchrun --standalone --nproc_per_node="$NPROC" train_gpt2.py "$@"
+exec "$TORCHRUN" --standalone --nproc_per_node="$NPROC" train_gpt2.py "$@"

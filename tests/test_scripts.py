@@ -99,7 +99,7 @@ def stub_repo(tmp_path, *scripts):
     and torchrun only record how they were called (in calls.txt); returns the PATH that finds the stub torchrun."""
     (tmp_path / "scripts").mkdir()
     (tmp_path / "data").mkdir()
-    for script in scripts:
+    for script in (*scripts, "env.sh"):
         shutil.copy(REPO / "scripts" / script, tmp_path / "scripts")
     shutil.copy(REPO / "model_variants.py", tmp_path)
     record = 'import sys; open("calls.txt", "a").write(" ".join(["{}", *sys.argv[1:]]) + "\\n")'
@@ -149,15 +149,81 @@ def test_baseline_sh_trains_d12_with_nocaps_flags_and_refuses_another_model(tmp_
         assert result.stderr.startswith("error: baseline.sh trains d12") and "train.sh --model NAME" in result.stderr
 
 
-def test_setup_sh_wants_a_gpu_before_it_downloads_unless_told_otherwise(tmp_path):
-    path = stub_repo(tmp_path, "setup.sh")
-    result, calls = run_stubbed(tmp_path, path, "setup.sh", "14")
-    if result.returncode == 0:
-        pytest.skip("this machine has a CUDA GPU")
-    assert result.returncode == 2 and calls == []  # nothing downloaded
-    assert result.stderr.startswith("error: torch sees no CUDA GPU") and "ALLOW_CPU=1" in result.stderr
-    result, calls = run_stubbed(tmp_path, path, "setup.sh", "14", ALLOW_CPU="1")
-    assert result.returncode == 0 and calls == ["fineweb.py --source cached -n 14"]
+# A python3 for setup.sh's tests: it records each call as "<which python> <args>" (the PATH's or a venv's), says
+# whether torch sees a GPU (STUB_CUDA) and whether the requirements import (STUB_IMPORTS), and makes a venv by
+# copying itself into it.
+STUB_PYTHON = """#!/usr/bin/env bash
+case "$0" in */stub-bin/python3) me=python3;; *) me=${0#$PWD/};; esac
+echo "$me $*" >> calls.txt
+if [ "$1" = -c ]; then
+  case "$2" in *torch.cuda*) exit "${STUB_CUDA:-1}";; *) exit "${STUB_IMPORTS:-1}";; esac
+fi
+if [ "$1 $2" = "-m venv" ]; then mkdir -p "${@: -1}/bin" && cp "$0" "${@: -1}/bin/python3"; fi
+"""
+
+
+def stub_setup(tmp_path, gpu: bool) -> str:
+    """stub_repo for setup.sh, with the stub python3 and an nvidia-smi that lists a GPU or fails; returns PATH."""
+    stub_repo(tmp_path, "setup.sh")
+    shutil.copy(REPO / "requirements.txt", tmp_path)
+    bin_dir = tmp_path / "stub-bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(STUB_PYTHON)
+    # With no GPU, an nvidia-smi that fails as it does without a driver (it hides a real one).
+    (bin_dir / "nvidia-smi").write_text('#!/usr/bin/env bash\necho "GPU 0: NVIDIA H100 80GB HBM3 (UUID: x)"\n' if gpu
+                                        else "#!/usr/bin/env bash\nexit 9\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return f"{bin_dir}:/usr/bin:/bin"
+
+
+def setup_sh(tmp_path, path, **env):
+    clean = {"VIRTUAL_ENV": "", "CONDA_PREFIX": "", **env}
+    return run_stubbed(tmp_path, path, "setup.sh", "14", **clean)
+
+
+def test_setup_sh_without_a_gpu_stops_before_it_installs_or_downloads_anything(tmp_path):
+    path = stub_setup(tmp_path, gpu=False)
+    result, calls = setup_sh(tmp_path, path)
+    assert result.returncode == 2 and result.stderr.startswith("error: no CUDA GPU here") and "ALLOW_CPU=1" in \
+        result.stderr
+    assert [call.split()[:2] for call in calls] == [["python3", "-c"]]  # asked torch about a GPU, nothing more
+    assert not (tmp_path / ".venv").exists()
+
+
+def test_setup_sh_installs_into_a_venv_of_its_own_unless_one_is_active(tmp_path):
+    path = stub_setup(tmp_path, gpu=True)
+    result, calls = setup_sh(tmp_path, path, STUB_CUDA="0")
+    assert result.returncode == 0, result.stderr
+    assert "no virtual environment is active, so the requirements go into .venv" in result.stdout
+    assert calls[-4:] == ["python3 -m venv --system-site-packages .venv", ".venv/bin/python3 -m pip install -r "
+                          "requirements.txt", ".venv/bin/python3 -c " + calls[-2].split(" -c ", 1)[1],
+                          ".venv/bin/python3 data/fineweb.py --source cached -n 14"]
+    assert not any(call.startswith("python3 -m pip") for call in calls)  # never into the system Python
+    # The next script finds .venv; an active environment is used as it is.
+    _, calls = setup_sh(tmp_path, path, STUB_CUDA="0", STUB_IMPORTS="0")
+    assert calls[-1] == ".venv/bin/python3 data/fineweb.py --source cached -n 14"
+    (tmp_path / ".venv").rename(tmp_path / "old")
+    _, calls = setup_sh(tmp_path, path, STUB_CUDA="0", VIRTUAL_ENV=str(tmp_path / "mine"))
+    assert "python3 -m pip install -r requirements.txt" in calls and not (tmp_path / ".venv").exists()
+
+
+def test_setup_sh_on_a_cpu_when_told_to_installs_torchs_cpu_build(tmp_path):
+    path = stub_setup(tmp_path, gpu=False)
+    result, calls = setup_sh(tmp_path, path, ALLOW_CPU="1", VIRTUAL_ENV=str(tmp_path / "mine"))
+    assert result.returncode == 0, result.stderr
+    torch_line = next(line for line in (REPO / "requirements.txt").read_text().splitlines()
+                      if line.startswith("torch"))
+    assert calls[-3:] == [f"python3 -m pip install {torch_line.split()[0]} --index-url "
+                          "https://download.pytorch.org/whl/cpu", "python3 -m pip install -r requirements.txt",
+                          "python3 data/fineweb.py --source cached -n 14"]
+
+
+def test_setup_sh_says_when_the_installed_torch_cannot_use_the_gpu(tmp_path):
+    path = stub_setup(tmp_path, gpu=True)
+    result, calls = setup_sh(tmp_path, path, STUB_IMPORTS="0", VIRTUAL_ENV=str(tmp_path / "mine"))
+    assert result.returncode == 2 and "nvidia-smi lists a GPU but torch" in result.stderr
+    assert not any("fineweb.py" in call for call in calls)
 
 
 @pytest.mark.parametrize("script, args", [("scripts/compare.sh", ["d12"]), ("scripts/ablate.sh", ["/nonexistent"])])
