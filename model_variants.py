@@ -7,7 +7,7 @@ baseline is visible at a glance.
 """
 
 import difflib
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 ATTN_IMPLS = ("sdpa", "flash", "flex", "manual")
 MLP_ACTS = ("gelu", "relu2", "swiglu")
@@ -16,101 +16,99 @@ POSITIONS = ("rope", "learned")
 WINDOW_KINDS = ("sliding", "chunked")
 
 
+def knob(default, help: str):
+    """A GPTConfig field with the meaning `--<field> --help` shows (every field is a trainer flag)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     # --- size -------------------------------------------------------------------------------------
-    vocab_size: int = 50257  # GPT-2 BPE; NoCap does not pad it to a multiple of 64
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    block_size: int = 1024  # longest sequence the model accepts (sizes rotary / learned position tables)
+    vocab_size: int = knob(50257, "tokens in the vocabulary (GPT-2's BPE; NoCap does not pad it to a multiple of 64)")
+    n_layer: int = knob(12, "transformer blocks")
+    n_head: int = knob(12, "attention heads (head_dim = n_embd / n_head)")
+    n_embd: int = knob(768, "width of the residual stream")
+    block_size: int = knob(1024, "longest sequence the model accepts (sizes the rotary and position tables)")
     # --- attention --------------------------------------------------------------------------------
-    n_kv_head: int = 0  # key/value heads: 0 = n_head (MHA); 1 = MQA; in between = GQA
-    # The attention seam: "sdpa" lets PyTorch pick flash / cuDNN / efficient; "flash" insists on the flash
-    # kernel; "flex" is FlexAttention with block masks (the fast path for windows); "manual" is plain
-    # softmax(QK^T)V, the reference every other path is tested against.
-    attn_impl: str = "sdpa"
-    window: int = 0  # attention window in tokens for local layers; 0 = every layer global
-    window_pattern: str = "L"  # per-layer L(ocal)/G(lobal) pattern, repeated over the layers
-    # The local layers' window: "sliding" (each query sees the `window` positions up to itself; FlexAttention,
-    # or a dense mask elsewhere) or "chunked" (the sequence cut into aligned blocks of `window` positions, each
-    # query seeing its own block up to itself, as in Llama 4's local layers): causal attention over the blocks
-    # taken as a batch, so SDPA's fused kernels (cuDNN's on an H100) run it, on window/T of full attention's work.
-    window_kind: str = "sliding"
-    # The chunked layers' attention in one Triton kernel made for aligned blocks (kernels.block_attention)
-    # instead of SDPA over the blocks taken as a batch: the same math, in fewer passes over q, k, v and their
-    # gradients. Where the kernel cannot run SDPA runs: a GPU without Triton (with a notice), fp32 evaluation,
-    # grouped key/value heads.
-    chunked_attention_kernel: bool = False
-    # Attention only within documents: a position sees the positions since the last doc_token at or before it
-    # (GPT-2's <|endoftext|>, which begins every FineWeb document), as if each document were its own row.
+    n_kv_head: int = knob(0, "key/value heads: 0 = n_head (MHA), 1 = MQA, in between = GQA")
+    # "sdpa" lets PyTorch pick flash / cuDNN / efficient; "manual" is the reference every other path is tested
+    # against.
+    attn_impl: str = knob("sdpa", "the attention kernel: sdpa (PyTorch's choice), flash (insist on flash), flex "
+                                  "(FlexAttention with block masks: windows, documents) or manual (plain softmax)")
+    window: int = knob(0, "attention window in tokens of the local layers; 0 = every layer global")
+    window_pattern: str = knob("L", "local (L) and global (G) layers, repeated over the blocks, e.g. LLLG")
+    # "chunked" is causal attention over the blocks taken as a batch, so SDPA's fused kernels (cuDNN's on an
+    # H100) run it, on window/T of full attention's work.
+    window_kind: str = knob("sliding", "the local layers' window: sliding (the last `window` positions) or "
+                                       "chunked (aligned blocks of `window` positions, as Llama 4's local layers)")
+    # The same math in fewer passes over q, k, v and their gradients. Where the kernel cannot run, SDPA runs:
+    # a GPU without Triton (with a notice), fp32 evaluation, grouped key/value heads.
+    chunked_attention_kernel: bool = knob(False, "the chunked layers' attention in a Triton kernel made for "
+                                                 "aligned blocks (kernels.block_attention) instead of SDPA")
     # FlexAttention (or manual, the reference): SDPA's fused kernels take no per-document mask.
-    doc_mask: bool = False
-    doc_token: int = 50256
-    kv_lora_rank: int = 0  # > 0: multi-head latent attention (DeepSeek MLA) with a latent of this width
-    mla_rope_dim: int = 32  # MLA: decoupled rotary dimensions per head (the rest of head_dim is rotary-free)
-    qk_norm: bool = False  # parameter-free RMSNorm of each query and key head
+    doc_mask: bool = knob(False, "attention only within documents: a position sees the positions since the last "
+                                 "doc_token, as if each document were its own row (attn_impl flex)")
+    doc_token: int = knob(50256, "the token that begins each document (GPT-2's <|endoftext|>)")
+    kv_lora_rank: int = knob(0, "> 0: multi-head latent attention (DeepSeek's MLA) with a latent this wide")
+    mla_rope_dim: int = knob(32, "MLA: rotary dimensions per head, apart from the latent's")
+    qk_norm: bool = knob(False, "parameter-free RMSNorm of each query and key head")
     # --- MLP / MoE --------------------------------------------------------------------------------
-    mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * n_embd (SwiGLU: parameter-matched, see mlp_hidden_size)
-    mlp_act: str = "gelu"
-    moe_experts: int = 0  # > 0: a Mixture-of-Experts FFN (token-choice, dropless) in the moe_layers blocks
-    moe_topk: int = 2  # experts per token; each expert is mlp_hidden_size / moe_topk wide (equal active FLOPs)
-    moe_layers: str = "all"  # "all", or comma-separated block indices such as "1,3,5"
-    moe_aux_weight: float = 0.01  # Switch-Transformer load-balancing loss weight
-    moe_shared_expert: bool = False  # one always-on expert of the same width beside the routed ones
+    mlp_ratio: int = knob(4, "MLP hidden width = mlp_ratio x n_embd (SwiGLU: 2/3 of it, the same parameters)")
+    mlp_act: str = knob("gelu", "the MLP's activation: gelu, relu2 (ReLU squared) or swiglu")
+    moe_experts: int = knob(0, "> 0: a Mixture-of-Experts MLP of this many experts (token choice, no drops)")
+    moe_topk: int = knob(2, "experts per token; each expert is the MLP's width / moe_topk (the same active FLOPs)")
+    moe_layers: str = knob("all", "blocks with an MoE: all, or indices such as 1,3,5")
+    moe_aux_weight: float = knob(0.01, "weight of the Switch Transformer's load-balancing loss")
+    moe_shared_expert: bool = knob(False, "one always-on expert of the same width beside the routed ones")
     # --- objective --------------------------------------------------------------------------------
-    mtp_k: int = 0  # multi-token prediction: extra targets t+2 .. t+1+k, each from its own projection
-    mtp_weight: float = 0.3  # weight of the mean extra-target loss in the training objective
-    logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
-    # Training loss of the head as one autograd function that computes the logits' gradient in the forward
-    # pass (a Triton kernel on CUDA), its products on the vocabulary padded to a multiple of 64
-    # (HeadCrossEntropy): same math, fewer passes over the (tokens, vocab) logits, aligned GEMMs.
-    fused_head_loss: bool = False
-    # The fused head loss's logits product in FP8 (e4m3, per-tensor scales) on GPUs with FP8 tensor cores
-    # (sm_89+: RTX 4090, H100), bf16 elsewhere with a notice; training only (HeadCrossEntropy says why only
-    # that product).
-    fp8_head: bool = False
-    # The MLP's two products in FP8 in training (torchao's float8 linear: e4m3 activations and weights, e5m2
-    # gradients, dynamic per-tensor scales) on GPUs with FP8 tensor cores, bf16 elsewhere with a notice.
-    # Evaluation runs the exact products of the same weights.
-    fp8_mlp: bool = False
-    # The relu2 MLP in training as one autograd function whose two ReLU² passes run in its products' epilogues
-    # (kernels.relu2_product, a Triton kernel on H100-class GPUs): the same math, two fewer passes over the
-    # (tokens, hidden) activations each way, and only their square kept for the backward (autograd keeps the
-    # product too). Evaluation runs the plain products.
-    fused_relu2: bool = False
+    mtp_k: int = knob(0, "multi-token prediction: also predict tokens t+2 .. t+1+k, each from its own projection")
+    mtp_weight: float = knob(0.3, "weight of the mean extra-target loss in the training objective")
+    logit_softcap: float = knob(0.0, "> 0: logits = cap x tanh(logits / cap)")
+    # Same math, fewer passes over the (tokens, vocab) logits, aligned GEMMs.
+    fused_head_loss: bool = knob(False, "the head's training loss as one autograd function that computes the "
+                                        "logits' gradient in its forward (a Triton kernel on CUDA), its products "
+                                        "on the vocabulary padded to a multiple of 64")
+    fp8_head: bool = knob(False, "the fused head loss's logits product in FP8 (e4m3, per-tensor scales) on GPUs "
+                                 "with FP8 tensor cores (sm_89+: RTX 4090, H100), bf16 elsewhere with a notice")
+    fp8_mlp: bool = knob(False, "the MLP's training products in FP8 (torchao's float8 linear) on sm_89+ GPUs, "
+                                "bf16 elsewhere with a notice; evaluation runs the exact products")
+    # The same math: two fewer passes over the (tokens, hidden) activations each way, and only their square
+    # kept for the backward (autograd keeps the product too).
+    fused_relu2: bool = knob(False, "the relu2 MLP in training with ReLU² in its products' epilogues "
+                                    "(kernels.relu2_product, a Triton kernel on H100-class GPUs)")
     # --- the rest ---------------------------------------------------------------------------------
-    norm: str = "rms"  # "rms" (parameter-free, NoCap), "rms_gain" (learned gain), "layer" (LayerNorm)
-    norm_eps: float = 1e-6
-    pos: str = "rope"
-    rope_base: float = 10000.0
-    tie_embeddings: bool = True
-    zero_init_proj: bool = False  # start every residual branch's output projection at zero (blocks begin as identity)
-    scale_attn_branch: bool = True  # NoCap multiplies the attention branch by 1/sqrt(2 * n_layer)
+    norm: str = knob("rms", "rms (parameter-free, NoCap's), rms_gain (a learned gain) or layer (LayerNorm)")
+    norm_eps: float = knob(1e-6, "the norms' epsilon")
+    pos: str = knob("rope", "positions: rope (rotary) or learned (GPT-2's table)")
+    rope_base: float = knob(10000.0, "rotary embedding's base")
+    tie_embeddings: bool = knob(True, "the head shares the token embedding's weights")
+    zero_init_proj: bool = knob(False, "every residual branch's output projection starts at zero (blocks begin as "
+                                       "the identity)")
+    scale_attn_branch: bool = knob(True, "multiply the attention branch by 1/sqrt(2 x n_layer), as NoCap does")
     # --- residual-stream shortcuts (modded-nanogpt lineage) -----------------------------------------
-    embed_norm: bool = False  # normalize the token embedding before the first block
-    x0_mix: bool = False  # each block's input is a*x + b*x0 (x0: the embedding stream), a, b learned from 1, 0
-    value_residual: bool = False  # blocks 1.. mix their values with block 0's: v = a*v + b*v0, learned from 1/2, 1/2
-    unet_skips: bool = False  # block n_layer-1-i also gets block i's output (i < n_layer/2), weight learned from 1
-    # Value embeddings: this many extra token-embedding tables, each as wide as the values. Table j is blended into
-    # the values of block j and of block n_layer - value_embeds + j (the U-net's mirror pattern), v = a*v + b*e[token],
-    # a and b learned from 1/2, 1/2: the values get token identity back without the stream carrying it.
-    value_embeds: int = 0
-    # Hashed bigram embedding: a table of bigram_embed × vocab_size rows, zero at the start, indexed by a hash of
-    # (previous token, token) and added to every block's input with a learned weight per block (from 0.1): the
-    # stream gets the pair's identity, which attention would otherwise have to assemble (0: none).
-    bigram_embed: int = 0
-    # Attention output gate (modded-nanogpt's sparse attention gate): each head's output is scaled by
-    # sigmoid(w · x[:attn_gate]), x the block's normalized input and w learned per head from zero (so every head
-    # starts at half). A head can then go quiet where its context holds nothing for it, as at a chunked layer's
-    # block start, where there is no earlier token to rest its attention on (0: no gate).
-    attn_gate: int = 0
-    # The residual stream (embedding stream, block outputs, skips) in autocast's dtype (bf16 in GPU training)
-    # instead of fp32: every elementwise pass over it (norms, residual adds, mixes) moves half the bytes. No
-    # effect without autocast, so fp32 evaluation is unchanged.
-    bf16_residual: bool = False
-    # Recompute each block's forward during backward: less activation memory, one more forward pass.
-    activation_checkpointing: bool = False
+    embed_norm: bool = knob(False, "normalize the token embedding before the first block")
+    x0_mix: bool = knob(False, "each block's input is a x + b x0 (x0: the embedding stream), a and b learned "
+                               "from 1 and 0")
+    value_residual: bool = knob(False, "blocks 1.. mix their values with block 0's: v = a v + b v0, learned from "
+                                       "1/2, 1/2")
+    unet_skips: bool = knob(False, "block n_layer-1-i also gets block i's output (i < n_layer/2), weight learned "
+                                   "from 1")
+    # The values get token identity back without the stream carrying it; table j serves block j and its
+    # mirror n_layer - value_embeds + j.
+    value_embeds: int = knob(0, "extra token tables blended into the values of the first and last this many "
+                                "blocks: v = a v + b e[token], a and b learned from 1/2")
+    # The stream gets the pair's identity, which attention would otherwise have to assemble.
+    bigram_embed: int = knob(0, "a hashed (previous token, token) table of bigram_embed x vocab_size rows, zero "
+                                "at first, added to every block's input with a learned weight (0: none)")
+    # A head can go quiet where its context holds nothing for it, as at a chunked layer's block start.
+    attn_gate: int = knob(0, "each head's output scaled by sigmoid(w . x[:attn_gate]), x the block's normalized "
+                             "input, w learned per head from zero (modded-nanogpt's sparse gate; 0: none)")
+    # Every elementwise pass over the stream (norms, residual adds, mixes) moves half the bytes. No effect
+    # without autocast, so fp32 evaluation is unchanged.
+    bf16_residual: bool = knob(False, "the residual stream in autocast's dtype (bf16 in GPU training) instead of "
+                                      "fp32")
+    activation_checkpointing: bool = knob(False, "recompute each block's forward in the backward: less "
+                                                 "activation memory, one more forward pass")
 
     def __post_init__(self):
         # Checked here so that every way of building a config (registry, CLI override, checkpoint)

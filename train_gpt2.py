@@ -15,6 +15,7 @@ The file reads top to bottom in sections:
 import argparse
 import contextlib
 import copy
+import fcntl
 import functools
 import glob
 import hashlib
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +47,12 @@ REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 class InputError(Exception):
     """Bad input (a flag, a data file, a checkpoint, a run directory). main() prints the message as one
     `error: ...` line and exits with code 2; the message names the thing and the fix."""
+
+
+def need_package(package: str, needed_by: str):
+    """An optional package (the extras in requirements-test.txt) is installed, or an InputError names the install."""
+    if importlib.util.find_spec(package) is None:
+        raise InputError(f"{needed_by} needs {package}, which is not installed: pip install {package}")
 
 
 # =============================================================================
@@ -80,22 +88,40 @@ def _parse_val_rows(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number of tokens or 'train', got {text!r}") from None
 
 
-def add_model_flags(parser: argparse.ArgumentParser):
-    """--model plus one override flag per GPTConfig field (shared by the trainer and the tools)."""
-    g = parser.add_argument_group("model")
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default after its help, except where there is none: that help says what happens instead."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that answers a bad flag with one line and where to look, not with the usage of 100 flags."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} ({self.prog} --help lists the flags)\n")
+
+
+def add_model_flags(parser: argparse.ArgumentParser, model: str = "d12"):
+    """--model plus one flag per GPTConfig field (shared by the trainer and the tools), each with its meaning
+    and the value that the variant `model` gives it (d12's where no variant has that name: the run says so)."""
+    shown = model if model in VARIANTS else "d12"
+    g = parser.add_argument_group("model", f"--model's fields, each changed by its flag (shown: {shown}'s)")
     g.add_argument("--model", default="d12", help="a registered variant (see --list_models)")
     for field in config_fields():
         kind = _parse_bool if field.type is bool else field.type
         g.add_argument(f"--{field.name}", type=kind, default=None,
-                       help=f"override the variant's {field.name} (GPTConfig default {field.default!r})")
+                       help=f"{field.metadata['help']} ({shown}: {getattr(VARIANTS[shown], field.name)!r})")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The CLI. Defaults reproduce NoCap-Test's published baseline run (2.5B tokens, 4768 steps)."""
-    p = argparse.ArgumentParser(
-        description="Train GPT-2 on FineWeb token shards until val loss <= --target_val_loss.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def build_parser(model: str = "d12") -> argparse.ArgumentParser:
+    """The CLI. Defaults reproduce NoCap-Test's published baseline run (2.5B tokens, 4768 steps); `model`
+    names the variant whose fields --help shows (parse_args adds its recipe's defaults)."""
+    p = ArgumentParser(description="Train GPT-2 on FineWeb token shards until val loss <= --target_val_loss.")
     g = p.add_argument_group("data")
     g.add_argument("--input_bin", default="data/fineweb10B/fineweb_train_*.bin",
                    help="glob of training shards, read in sorted order (get them: python data/fineweb.py)")
@@ -107,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="begin every training row at a document start (--doc_token), skipping the rest of a "
                         "document cut at a row's end: more shards are read for the same training tokens")
 
-    add_model_flags(p)
+    add_model_flags(p, model)
     p.add_argument("--list_models", action="store_true", help="print the registered variants and exit")
 
     g = p.add_argument_group("batch")
@@ -337,9 +363,8 @@ def check_run_flags(args):
                          f"must be a multiple of it, so that NoCap's rows of the same tokens are scored beside them; "
                          f"pass {val_row_length(args) // NOCAP_VAL_ROW * NOCAP_VAL_ROW or NOCAP_VAL_ROW} or "
                          f"{(val_row_length(args) // NOCAP_VAL_ROW + 1) * NOCAP_VAL_ROW}")
-    if args.optimizer == "adamw8bit" and importlib.util.find_spec("torchao") is None:
-        raise InputError("--optimizer adamw8bit: its 8-bit AdamW comes from torchao, which is not installed; "
-                         "pip install torchao, or pick another --optimizer")
+    if args.optimizer == "adamw8bit":
+        need_package("torchao", "--optimizer adamw8bit (its 8-bit AdamW)")
     for name in ("learning_rate", "embed_lr", "scalar_lr", "muon_lr", "weight_decay"):
         if getattr(args, name) is not None and not 0 <= getattr(args, name) < math.inf:
             raise InputError(f"--{name} {getattr(args, name)} must be a finite number >= 0")
@@ -363,8 +388,8 @@ def check_run_flags(args):
                          "- 1, so the average sees training")
     if args.ema_start and not args.ema_decay:
         raise InputError(f"--ema_start {args.ema_start} needs --ema_decay (the average's decay per step)")
-    if args.log_wandb and importlib.util.find_spec("wandb") is None:  # on every rank, before any waits for others
-        raise InputError("--log_wandb: wandb is not installed; pip install wandb, or drop the flag")
+    if args.log_wandb:  # on every rank, before any waits for others
+        need_package("wandb", "--log_wandb")
     if overtime_applies(args) and args.lr_floor == 0:
         raise InputError(f"--overtime_steps {args.overtime_steps} trains at the schedule's final learning rate, "
                          "--lr_floor x the peak, which is 0; pass --lr_floor > 0 (e.g. 0.1) or --overtime_steps 0")
@@ -1309,9 +1334,7 @@ def fp8_training_linear() -> type[nn.Linear]:
     per-tensor scales) in training where fp8_runs allows it, the exact product otherwise, so evaluation
     scores the weights themselves. Its parameters and state dict are a Linear's. torchao, a package this
     trainer otherwise needs only for 8-bit AdamW, is imported on first use."""
-    if importlib.util.find_spec("torchao") is None:
-        raise InputError("--fp8_mlp: the FP8 products come from torchao, which is not installed; pip install "
-                         "torchao, or pass --fp8_mlp false")
+    need_package("torchao", "--fp8_mlp (its FP8 products)")
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
 
@@ -1457,11 +1480,14 @@ HEADER_BYTES = HEADER_INTS * 4
 
 def read_shard_header(path: str) -> int:
     """Validate a shard's header against its size; return its token count."""
-    size = os.path.getsize(path)
+    try:
+        size = os.path.getsize(path)
+        header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+    except OSError as e:
+        raise InputError(f"{path}: cannot be read ({e.strerror}); check the file and its permissions") from None
     if size < HEADER_BYTES:
         raise InputError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header — "
                          "not a token shard; re-create it with python data/fineweb.py")
-    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
     if header[0] != SHARD_MAGIC:
         raise InputError(f"{path}: header magic {header[0]} != {SHARD_MAGIC} — not a GPT-2 token shard; "
                          "re-create it with python data/fineweb.py")
@@ -1510,6 +1536,10 @@ def match_shards(pattern: str, flag: str) -> list[str]:
     if not files:
         raise InputError(f"{flag}: no files match {pattern!r}; download FineWeb with "
                          "`python data/fineweb.py` or point the flag at existing .bin shards")
+    directories = [path for path in files if os.path.isdir(path)]
+    if directories:
+        raise InputError(f"{flag}: {directories[0]} is a directory, not a shard; narrow {pattern!r} to the .bin "
+                         "files")
     return files
 
 
@@ -2346,38 +2376,70 @@ class StepMeter:
 # Run directory, logs and checkpoints
 # =============================================================================
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: the digest of the contents travels inside the file (1: in a .sha256 file beside it)
 FINISHED_STATUSES = ("reached_target", "completed", "missed_target")
+LOCK_NAME = "run.lock"
+
+
+class WriteFailed(Exception):
+    """A file of the run directory could not be written (a full disk, a quota, a vanished mount). The run
+    stops with one `error:` line and exit code 1; the newest whole checkpoint stays for --resume auto."""
+
+    def __init__(self, path: str, error: OSError):
+        super().__init__(f"{path}: {error.strerror or error}")
+        self.path = path
+
+
+def atomic_write(path: str, write, mode: str = "w"):
+    """write(file) into a temporary file beside `path`, then the rename: a file at `path` is always whole. A
+    write that fails removes its temporary file and raises WriteFailed."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+        os.replace(tmp, path)
+    except Exception as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        # torch.save reports a write that failed as a RuntimeError raised while handling the OSError.
+        error = e if isinstance(e, OSError) else e.__context__
+        if isinstance(error, OSError):
+            raise WriteFailed(path, error) from None
+        raise
 
 
 def atomic_write_text(path: str, text: str):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: f.write(text))
 
 
-def file_sha256(path: str) -> str:
+def state_digest(obj) -> str:
+    """SHA-256 of everything a checkpoint holds: tensors by dtype, shape and bytes (a wrapper tensor such as
+    torchao's 8-bit state by the tensors it wraps), containers in order, other values by their repr."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
+
+    def visit(value):
+        if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor \
+                and hasattr(value, "__tensor_flatten__"):
+            names, meta = value.__tensor_flatten__()
+            digest.update(f"{type(value).__name__}{tuple(value.shape)}{meta!r}".encode())
+            for name in names:
+                visit(getattr(value, name))
+        elif isinstance(value, torch.Tensor):
+            digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(value, dict):
+            digest.update(b"{")
+            for key, item in value.items():
+                visit(key)
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            digest.update(b"[")
+            for item in value:
+                visit(item)
+        else:
+            digest.update(f"{type(value).__name__}:{value!r};".encode())
+    visit(obj)
     return digest.hexdigest()
-
-
-def atomic_torch_save(obj, path: str):
-    """torch.save to a temporary file, its SHA-256 into <path>.sha256, then the rename: a file at `path` is
-    always whole, and its checksum is there before it is."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    atomic_write_text(f"{path}.sha256", file_sha256(tmp) + "\n")
-    os.replace(tmp, path)
-
-
-def remove_checkpoint(path: str):
-    for name in (path, f"{path}.sha256"):
-        if os.path.exists(name):
-            os.remove(name)
 
 
 def remove_unfinished_writes(run_dir: str):
@@ -2401,28 +2463,118 @@ def list_checkpoints(run_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(run_dir, "ckpt_*.pt")))
 
 
-def resolve_run_dir(args) -> str:
-    """Where this run writes. Refuses to touch a directory that holds a finished run, or a started
-    one unless --resume was asked for, so nothing is ever overwritten."""
-    if args.run_name is None and args.resume not in (None, "auto"):
-        run_dir = os.path.dirname(os.path.abspath(args.resume))  # resume in the checkpoint's own run
-    elif args.run_name is None:
-        if args.resume == "auto":
-            raise InputError("--resume auto needs --run_name (the run to continue)")
-        run_dir = os.path.join(args.output_dir, f"{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
-    else:
-        run_dir = os.path.join(args.output_dir, args.run_name)
-    summary_path = os.path.join(run_dir, "summary.json")
-    if os.path.exists(summary_path):
-        with open(summary_path) as f:
-            status = json.load(f).get("status")
-        if status in FINISHED_STATUSES:
-            raise InputError(f"{run_dir}: already holds a finished run ({status}); choose another --run_name "
-                             "or delete that directory")
+def run_dir_path(args) -> str:
+    """Where this run writes: <output_dir>/<run_name>, the resumed checkpoint's own directory, or a new
+    <model>-<time> directory."""
+    if args.run_name is not None:
+        name = args.run_name
+        if name in ("", ".", "..") or "/" in name or os.sep in name or "\0" in name:
+            raise InputError(f"--run_name {name!r} must be a plain directory name (no '/', not '.' or '..'): the "
+                             "run goes to <output_dir>/<run_name>, so pass where it goes as --output_dir")
+        return os.path.join(args.output_dir, name)
+    if args.resume == "auto":
+        raise InputError("--resume auto needs --run_name (the run to continue)")
+    if args.resume is not None:
+        return os.path.dirname(os.path.abspath(args.resume))  # resume in the checkpoint's own run
+    return os.path.join(args.output_dir, f"{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+class RunDirClaim:
+    """This process's hold on its run directory, so that two runs never write into one: an exclusive flock
+    on run.lock, whose text names the holder (pid and host) for the error a second run gets. The kernel
+    drops an flock when its process ends, however it ends, so the lock of a killed run is stale by
+    construction and the next run takes it over. Created with the directory; release() removes both the
+    lock and a directory it created that is still empty (bad input found after the claim)."""
+
+    def __init__(self, run_dir: str, output_dir: str):
+        self.run_dir, self.path, self.fd = run_dir, os.path.join(run_dir, LOCK_NAME), None
+        self.created = not os.path.isdir(run_dir)
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            self.fd = self._lock()
+        except OSError as e:
+            self.release()
+            raise InputError(f"--output_dir {output_dir}: cannot hold the run directory {run_dir} ({e.strerror}); "
+                             "pass a directory you can write to") from None
+        except InputError:
+            self.release()
+            raise
+
+    def _lock(self) -> int:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 256).decode(errors="replace").strip() or "a process starting up"
+                os.close(fd)
+                raise InputError(f"{self.run_dir}: another run is writing to it ({holder}); wait for it to end, "
+                                 "or choose another --run_name") from None
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.samestat(os.fstat(fd), os.stat(self.path)):
+                    break
+            os.close(fd)  # its holder removed the file while this process waited: lock the one there now
+        stale = os.read(fd, 256).decode(errors="replace").strip()
+        if stale:
+            notice(f"{self.path}: the run it named ({stale}) is no longer running; this run takes it over")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        return fd
+
+    def release(self):
+        """Give the directory up; releasing twice is harmless."""
+        if self.fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)  # while still locked: a process waiting on this file then sees it gone
+            os.close(self.fd)
+            self.fd = None
+        if self.created:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.run_dir)  # only while empty: nothing was written
+            self.created = False
+
+
+def read_json(path: str) -> dict | None:
+    """A JSON file of the run directory, or None where it is missing or torn (not whole JSON)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def check_run_dir(args, run_dir: str):
+    """Refuse a directory that holds a finished run, or a started one unless --resume was asked for, so
+    that nothing is ever overwritten. A torn summary.json (a kill while it was written) finished nothing."""
+    status = (read_json(os.path.join(run_dir, "summary.json")) or {}).get("status")
+    if status in FINISHED_STATUSES:
+        raise InputError(f"{run_dir}: already holds a finished run ({status}); choose another --run_name "
+                         "or delete that directory")
     if args.resume is None and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         raise InputError(f"{run_dir}: already holds a run; pass --resume auto to continue it (or to start it "
                          "over, if it has no checkpoint), or choose another --run_name")
-    return run_dir
+
+
+def read_metrics(path: str) -> tuple[list[dict], bool]:
+    """The records of a metrics.jsonl, and whether its last line was torn (a kill or a full disk stops a
+    write mid-line): that line is left out. A bad line anywhere else is an InputError naming it."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().rstrip("\n").split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict):
+            if number == len(lines):
+                return records, True
+            raise InputError(f"{path}:{number}: not a JSON record; the file is corrupt (not a metrics.jsonl "
+                             "written by train_gpt2.py, or damaged)")
+        records.append(record)
+    return records, False
 
 
 def resolve_checkpoint_path(args, run_dir: str) -> str | None:
@@ -2437,11 +2589,19 @@ def resolve_checkpoint_path(args, run_dir: str) -> str | None:
     return args.resume
 
 
-def set_aside_attempt(run_dir: str):
-    """A started run with no checkpoint to continue from (it died before its first save) starts over: its
-    files become *.restarted.* (replacing those of an earlier restart), so the run directory is never a dead end."""
+def repair_run_dir(run_dir: str, restart: bool):
+    """Make the run directory ready to write, once every input is checked: remove what interrupted saves left
+    behind, set a torn summary.json aside, and when `restart` (a started run with no checkpoint to continue
+    from: it died before its first save) set the earlier attempt's files aside as *.restarted.*, replacing
+    those of an earlier restart, so the directory is never a dead end."""
+    remove_unfinished_writes(run_dir)
+    summary = os.path.join(run_dir, "summary.json")
+    if os.path.exists(summary) and read_json(summary) is None:
+        os.replace(summary, os.path.join(run_dir, "summary.torn.json"))
+        notice(f"{summary} was torn (a kill or a full disk while it was written): kept as summary.torn.json; this "
+               "run writes a new one when it ends")
     moved = []
-    for name in ("metrics.jsonl", "log.txt", "summary.json"):
+    for name in ("metrics.jsonl", "log.txt", "summary.json") if restart else ():
         path = os.path.join(run_dir, name)
         if os.path.exists(path):
             stem, ext = os.path.splitext(name)
@@ -2460,21 +2620,21 @@ def import_optimizer_state_classes(path: str, flag: str):
               if name.startswith("torchao.")]
     if not needed:
         return
-    if importlib.util.find_spec("torchao") is None:
-        raise InputError(f"{flag}: {path} holds 8-bit AdamW state ({needed[0]}), which only torchao can read; "
-                         "pip install torchao")
+    need_package("torchao", f"{flag} {path} (8-bit AdamW state, {needed[0]})")
     importlib.import_module("torchao.optim")  # registers its state classes with torch.serialization
 
 
+def differences(have: dict, want: dict, limit: int = 6) -> str:
+    """The fields where two configs differ, as `name X there, Y here`, the first `limit` of them."""
+    changed = [f"{key} {have.get(key)!r} there, {want.get(key)!r} here" for key in {**have, **want}
+               if have.get(key) != want.get(key)]
+    more = f", and {len(changed) - limit} more" if len(changed) > limit else ""
+    return "; ".join(changed[:limit]) + more
+
+
 def load_checkpoint(path: str, expected: dict, flag: str = "--resume") -> dict:
-    """Load a checkpoint (weights_only: no code from the file runs) after checking it against its SHA-256,
+    """Load a checkpoint (weights_only: no code from the file runs), check it against the digest it carries,
     and check it fits this run. `flag` names the flag that gave the path, for the error line."""
-    checksum = f"{path}.sha256"
-    if os.path.exists(checksum):
-        with open(checksum) as f:
-            if f.read().strip() != file_sha256(path):
-                raise InputError(f"{flag}: {path} does not match its checksum ({os.path.basename(checksum)}): the "
-                                 "file is damaged; use an earlier checkpoint or start the run again")
     try:
         import_optimizer_state_classes(path, flag)
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
@@ -2483,14 +2643,21 @@ def load_checkpoint(path: str, expected: dict, flag: str = "--resume") -> dict:
     except Exception as e:  # a torn or foreign file: say which file and stop
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise InputError(f"{flag}: {path} is not a readable checkpoint ({type(e).__name__}: {first_line})") from None
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise InputError(f"{flag}: {path} is not a train_gpt2.py checkpoint (format {CHECKPOINT_FORMAT})")
+    if not isinstance(ckpt, dict) or "format" not in ckpt:
+        raise InputError(f"{flag}: {path} is not a train_gpt2.py checkpoint")
+    if ckpt["format"] != CHECKPOINT_FORMAT:
+        raise InputError(f"{flag}: {path} has checkpoint format {ckpt['format']}, this trainer reads format "
+                         f"{CHECKPOINT_FORMAT}; use the commit that wrote it (config.json's git_sha)")
+    if ckpt.pop("digest", None) != state_digest(ckpt):
+        raise InputError(f"{flag}: {path} does not match the digest it carries: the file is damaged; use an "
+                         "earlier checkpoint or start the run again")
     for key, want in expected.items():
-        if ckpt.get(key) != want:
-            raise InputError(f"{flag}: {path} was trained with {key}={ckpt.get(key)}, this run has {key}={want}; "
-                             "pass the same --model/overrides/batch flags, or start a new run")
-    if not os.path.exists(checksum):
-        notice(f"{path} has no checksum file (an older checkpoint, or a copy without it): loaded unchecked")
+        have = ckpt.get(key)
+        if have != want:
+            what = f"another {key} ({differences(have, want)})" if isinstance(have, dict) and isinstance(want, dict) \
+                else f"{key}={have}, this run has {key}={want}"
+            raise InputError(f"{flag}: {path} was trained with {what}; pass the same --model/overrides/batch flags, "
+                             "or start a new run")
     return ckpt
 
 
@@ -2521,19 +2688,35 @@ def strict_json(obj):
     return obj
 
 
+def json_line(record: dict) -> str:
+    return json.dumps(strict_json(record), allow_nan=False) + "\n"
+
+
 class Tee:
-    """A text stream that also appends what is written to it to a file (the run's log.txt)."""
+    """A text stream that also appends what is written to it to a file (the run's log.txt). The terminal
+    gets each text first; a failed write to the file raises WriteFailed once and ends the copying, so the
+    error line that follows still reaches the terminal."""
 
     def __init__(self, stream, file):
         self.stream, self.file = stream, file
 
     def write(self, text: str) -> int:
-        self.file.write(text)
-        return self.stream.write(text)
+        written = self.stream.write(text)
+        self._to_file(lambda: self.file.write(text))
+        return written
 
     def flush(self):
-        self.file.flush()
         self.stream.flush()
+        self._to_file(self.file.flush)
+
+    def _to_file(self, action):
+        if self.file is None or self.file.closed:
+            return
+        try:
+            action()
+        except OSError as e:
+            name, self.file = self.file.name, None
+            raise WriteFailed(name, e) from None
 
     def __getattr__(self, name):  # isatty, encoding, fileno, ...: the terminal's
         return getattr(self.stream, name)
@@ -2542,22 +2725,22 @@ class Tee:
 class RunLog:
     """metrics.jsonl, config.json, summary.json, and log.txt: everything the process with rank 0 prints
     (stdout and stderr) while the run is open. Other ranks get a RunLog that writes nothing, so call sites
-    need no rank checks."""
+    need no rank checks. A resumed run passes the records it keeps (those up to its checkpoint): the steps
+    after it are about to be trained again. Writes that fail raise WriteFailed."""
 
-    def __init__(self, run_dir: str | None, resume_step: int | None, wandb_run=None):
+    def __init__(self, run_dir: str | None, kept_records: list[dict] | None, wandb_run=None):
         self.run_dir, self.wandb_run = run_dir, wandb_run
         self.metrics = self.text = None
         if run_dir is None:
             return
-        os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
-        if resume_step is not None and os.path.exists(path):
-            # Drop what was logged after the checkpoint: those steps are about to be trained again.
-            with open(path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
-            atomic_write_text(path, "".join(kept))
-        self.metrics = open(path, "a")
-        self.text = open(os.path.join(run_dir, "log.txt"), "a")
+        if kept_records is not None:
+            atomic_write_text(path, "".join(map(json_line, kept_records)))
+        try:
+            self.metrics = open(path, "a")
+            self.text = open(os.path.join(run_dir, "log.txt"), "a")
+        except OSError as e:
+            raise WriteFailed(e.filename, e) from None
         self.terminal = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = Tee(sys.stdout, self.text), Tee(sys.stderr, self.text)
 
@@ -2567,8 +2750,11 @@ class RunLog:
 
     def record(self, **fields):
         if self.metrics is not None:
-            self.metrics.write(json.dumps(strict_json(fields), allow_nan=False) + "\n")
-            self.metrics.flush()
+            try:
+                self.metrics.write(json_line(fields))
+                self.metrics.flush()
+            except OSError as e:
+                raise WriteFailed(self.metrics.name, e) from None
             if self.wandb_run is not None:
                 self.wandb_run.log({k: v for k, v in fields.items() if k != "step"}, step=fields["step"])
 
@@ -2578,11 +2764,13 @@ class RunLog:
             atomic_write_text(os.path.join(self.run_dir, name), text + "\n")
 
     def close(self):
-        """Close the files and give stdout and stderr back; closing twice is harmless."""
+        """Close the files and give stdout and stderr back; closing twice is harmless. A file whose last
+        write failed (a full disk) has already raised WriteFailed: closing it drops what it could not write."""
         if self.text is not None:
             sys.stdout, sys.stderr = self.terminal
-            self.text.close()
-            self.metrics.close()
+            for file in (self.text, self.metrics):
+                with contextlib.suppress(OSError):
+                    file.close()
             self.text = self.metrics = None
         if self.wandb_run is not None:
             self.wandb_run.finish()
@@ -2671,6 +2859,14 @@ def cap_gpu_memory(args, env: Distributed):
 
 
 @dataclass
+class Evaluation:
+    """The loss on the run's validation rows (what the target is judged on), and the same tokens' loss in
+    NoCap's 1024-token rows where those rows are longer (else None)."""
+    val_loss: float
+    val_loss_1024: float | None
+
+
+@dataclass
 class Run:
     """A training run as the loop sees it: built once by setup_run, advanced by train_step, written out by
     save_checkpoint and the summary."""
@@ -2679,22 +2875,25 @@ class Run:
     config: GPTConfig
     run_dir: str
     raw_model: GPT  # the parameters: what checkpoints hold
-    model: nn.Module  # what trains: raw_model compiled and/or wrapped in DDP
-    eval_model: nn.Module  # what evaluates: model, or raw_model where the evaluation cannot compile
     optimizer: Optimizers
     train_loader: TokenLoader
     val: ValidationSet
-    log: RunLog
     autocast_ctx: contextlib.AbstractContextManager  # training's precision: bf16 autocast on CUDA
     accumulation: int  # micro-batches per optimizer step on this process
     layout: dict  # what a checkpoint must match to be resumed here
     compiled: bool
     average: WeightAverage | None  # --ema_decay's average of the weights; None without it
+    # Set once the checkpoint is loaded (DDP takes rank 0's weights when it wraps the model):
+    model: nn.Module | None = None  # what trains: raw_model compiled and/or wrapped in DDP
+    eval_model: nn.Module | None = None  # what evaluates: model, or raw_model where the evaluation cannot compile
+    log: RunLog | None = None  # opened last, once nothing else can fail; train() closes it
     nocap_val: ValidationSet | None = None  # val's tokens in NoCap's 1024-token rows, where val's rows are longer
     draw_log_weights: torch.Tensor | None = None  # the sampled softmax's weighted draws (draw_log_weights)
+    claim: RunDirClaim | None = None  # rank 0's hold on run_dir (None on the other ranks)
     start_step: int = 0
     train_time_s: float = 0.0  # optimizer steps only, carried over a resume
-    evaluated_at_start: bool = False  # the checkpoint resumed from was taken right after an evaluation
+    resumed_evaluation: Evaluation | None = None  # the evaluation logged at the resumed checkpoint's step
+    resumed_from: str | None = None  # the checkpoint's path
 
     @property
     def micro_tokens(self) -> int:
@@ -2742,22 +2941,45 @@ def report_sampled_softmax(args, config: GPTConfig, loader: TokenLoader, log: Ru
 
 
 def setup_run(args) -> Run:
-    """Check the flags, set up the device and processes, build data, model and optimizer, resume from a
-    checkpoint if asked, open the logs and compile. Bad input raises InputError before anything is written."""
+    """Check the flags, set up the device and processes, claim the run directory, then build the run. Bad
+    input raises InputError before anything is written, and the claim is given back."""
     check_run_flags(args)
     config = resolve_model_config(args)
     check_window_warmup(args, config)
     check_sampled_softmax(args, config)
     env = setup_distributed(args.device)
     accumulation = resolve_grad_accumulation(args, env.world_size)
-    B, T = args.batch_size, args.sequence_length
-    check_batch_ramp(args, accumulation, B * T * env.world_size)
+    check_batch_ramp(args, accumulation, args.batch_size * args.sequence_length * env.world_size)
     check_device_fit(args, config, env)
     cap_gpu_memory(args, env)
-    run_dir = resolve_run_dir(args)
-    ckpt_path = resolve_checkpoint_path(args, run_dir)
-    if env.world_size > 1:
-        dist.barrier()  # every rank has checked the run directory before rank 0 starts writing to it
+    run_dir = run_dir_path(args)
+    claim = claim_run_dir(args, run_dir, env)
+    try:
+        return build_run(args, config, env, accumulation, run_dir, claim)
+    except BaseException:
+        if claim is not None:
+            claim.release()
+        raise
+
+
+def claim_run_dir(args, run_dir: str, env: Distributed) -> RunDirClaim | None:
+    """Rank 0 claims the run directory (the only rank that writes); every rank learns whether it could, so
+    that all stop together if not."""
+    claim, error = None, None
+    if env.is_main:
+        try:
+            claim = RunDirClaim(run_dir, args.output_dir)
+        except InputError as e:
+            error = e
+    if agree(env, int(error is not None))[0]:
+        raise error or InputError(f"{run_dir}: rank 0 could not claim the run directory")
+    return claim
+
+
+def open_data(args, config: GPTConfig, env: Distributed) -> tuple[TokenLoader, ValidationSet, ValidationSet | None]:
+    """The training loader, the validation rows, and (where those are longer) the same tokens in NoCap's
+    1024-token rows: NoCap scores 1024-token rows, longer ones give most tokens more context, both are reported."""
+    B, T = args.batch_size, args.sequence_length
     if args.bos_align:
         train_loader = AlignedTokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size,
                                           env.device, config.doc_token)
@@ -2765,56 +2987,58 @@ def setup_run(args) -> Run:
         train_loader = TokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
     val = ValidationSet(args.input_val_bin, args.val_tokens, args.val_batch_size, val_row_length(args), env.rank,
                         env.world_size, config.vocab_size, env.device)
-    # NoCap scores 1024-token rows; rows longer than that give most tokens more context. Both are reported: the
-    # same tokens in NoCap's rows.
     nocap_val = None
     if scores_nocap_rows(args):
         nocap_val = ValidationSet(args.input_val_bin, args.val_tokens, nocap_rows_batch(args), NOCAP_VAL_ROW,
                                   env.rank, env.world_size, config.vocab_size, env.device)
+    return train_loader, val, nocap_val
 
-    torch.manual_seed(args.seed)
-    raw_model = GPT(config).to(env.device)
-    compiled = env.device.type == "cuda" if args.compile is None else args.compile
-    compile_options = (configure_compile(args.coordinate_descent_tuning, args.combo_kernels, args.compile_mode)
-                       if compiled else None)
-    optimizer = make_optimizer(raw_model, args, env.device, compile_options)
-    average = WeightAverage(raw_model, args.ema_decay, args.ema_start) if args.ema_decay else None
-    # What fixes the data walk, and what the evaluated model is.
-    layout = dict(model_config=asdict(config), batch_size=B, sequence_length=T, world_size=env.world_size,
-                  grad_accumulation_steps=accumulation, bos_align=args.bos_align,
-                  ema=(args.ema_decay, args.ema_start) if average else None)
-    resumed = dict(start_step=0, train_time_s=0.0, evaluated_at_start=False)
-    if ckpt_path is not None:
-        ckpt = load_checkpoint(ckpt_path, layout)
-        raw_model.load_state_dict(ckpt["model"])
-        if average is not None:
-            average.load_state_dict(ckpt["average"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        torch.set_rng_state(ckpt["rng_cpu"])
-        if env.device.type == "cuda" and ckpt["rng_cuda"] is not None:
-            torch.cuda.set_rng_state(ckpt["rng_cuda"], env.device)
-        train_loader.skip(ckpt["batches_drawn"])
-        resumed = dict(start_step=ckpt["step"], train_time_s=ckpt["train_time_s"], evaluated_at_start=ckpt["evaluated"])
 
-    if env.is_main and os.path.isdir(run_dir):  # every input is checked: the run directory may change now
-        remove_unfinished_writes(run_dir)
-        if args.resume == "auto" and ckpt_path is None:
-            set_aside_attempt(run_dir)
-    wandb_run = None
-    if args.log_wandb and env.is_main:
-        import wandb  # check_run_flags made sure it is there
-        wandb_run = wandb.init(project="gpt2-speedrun", name=os.path.basename(run_dir), config=vars(args))
-    log = RunLog(run_dir if env.is_main else None, resumed["start_step"] if ckpt_path else None, wandb_run)
+class Resumed(NamedTuple):
+    """Where a run picks up: the step, the training time so far, the evaluation logged at that step (where
+    the checkpoint followed one), and the records of metrics.jsonl it keeps (None: a fresh run)."""
+    step: int = 0
+    train_time_s: float = 0.0
+    evaluation: Evaluation | None = None
+    records: list[dict] | None = None
 
+
+def resume_from(path: str, run: Run) -> Resumed:
+    """Load the checkpoint at `path` into the run's model, optimizer, average, RNG and data position."""
+    ckpt = load_checkpoint(path, run.layout)
+    run.raw_model.load_state_dict(ckpt["model"])
+    if run.average is not None:
+        run.average.load_state_dict(ckpt["average"])
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    torch.set_rng_state(ckpt["rng_cpu"])
+    if run.env.device.type == "cuda" and ckpt["rng_cuda"] is not None:
+        torch.cuda.set_rng_state(ckpt["rng_cuda"], run.env.device)
+    run.train_loader.skip(ckpt["batches_drawn"])
+    step, records = ckpt["step"], []
+    metrics = os.path.join(run.run_dir, "metrics.jsonl")
+    if os.path.exists(metrics):
+        records, torn = read_metrics(metrics)
+        if torn:
+            notice(f"{metrics}: its last line was torn (a kill or a full disk mid-write); left out")
+        records = [record for record in records if record.get("step", 0) <= step]  # the rest trains again
+    evaluation = None
+    if ckpt["evaluated"]:  # a stop rule judges that evaluation on resuming as it would have
+        logged = [r for r in records if r.get("step") == step and "val_loss" in r]
+        evaluation = Evaluation(logged[-1]["val_loss"], logged[-1].get("val_loss_1024")) if logged else None
+    return Resumed(step, ckpt["train_time_s"], evaluation, records)
+
+
+def compile_model(args, env: Distributed, raw_model: GPT, compile_options: dict | None) -> nn.Module:
+    """What trains: raw_model compiled (compile_options not None) and/or wrapped in DDP."""
     model = raw_model
-    if compiled and args.layerdrop:
+    if compile_options is not None and args.layerdrop:
         # Which blocks run changes with every micro-batch: compiled whole, each new set would be a new graph.
         # Each block is compiled on its own instead, and the loop over them stays eager. So is the head's loss:
         # eager, it would hold a micro-batch's logits in fp32 several times over.
         for block in raw_model.transformer.h:
             block.compile(dynamic=False, **compile_options)
         raw_model.head_loss = torch.compile(raw_model.head_loss, dynamic=False, **compile_options)
-    elif compiled:
+    elif compile_options is not None:
         # A graph per row length and window: their few stages are known, and static shapes compile best.
         model = torch.compile(raw_model, dynamic=False if args.curriculum_start or args.window_start else None,
                               **compile_options)
@@ -2823,30 +3047,68 @@ def setup_run(args) -> Run:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
             find_unused_parameters=args.layerdrop > 0)
-    eval_model = model if evaluation_compiles(config, args.val_dtype) else raw_model
-    # NoCap: bf16 autocast on CUDA; CPU runs stay in fp32 so tests are exact.
-    autocast_ctx = precision(env.device, "bf16" if env.device.type == "cuda" else "fp32")
-    run = Run(args, env, config, run_dir, raw_model, model, eval_model, optimizer, train_loader, val, log,
-              autocast_ctx, accumulation, layout, compiled, average, nocap_val=nocap_val,
-              draw_log_weights=draw_log_weights(args, train_loader), **resumed)
+    return model
 
-    log.write_json("config.json", dict(
-        args=vars(args), model_config=asdict(config), run_dir=run_dir, git_sha=git_sha(),
+
+def build_run(args, config: GPTConfig, env: Distributed, accumulation: int, run_dir: str,
+              claim: RunDirClaim | None) -> Run:
+    """Data, model and optimizer, the checkpoint resumed from if asked, the logs, the compiled model."""
+    check_run_dir(args, run_dir)
+    ckpt_path = resolve_checkpoint_path(args, run_dir)
+    if env.world_size > 1:
+        dist.barrier()  # every rank has read the run directory before rank 0 starts changing it
+    train_loader, val, nocap_val = open_data(args, config, env)
+    torch.manual_seed(args.seed)
+    raw_model = GPT(config).to(env.device)
+    compiled = env.device.type == "cuda" if args.compile is None else args.compile
+    compile_options = (configure_compile(args.coordinate_descent_tuning, args.combo_kernels, args.compile_mode)
+                       if compiled else None)
+    # What fixes the data walk, and what the evaluated model is.
+    layout = dict(model_config=asdict(config), batch_size=args.batch_size, sequence_length=args.sequence_length,
+                  world_size=env.world_size, grad_accumulation_steps=accumulation, bos_align=args.bos_align,
+                  ema=(args.ema_decay, args.ema_start) if args.ema_decay else None)
+    run = Run(args=args, env=env, config=config, run_dir=run_dir, raw_model=raw_model,
+              optimizer=make_optimizer(raw_model, args, env.device, compile_options), train_loader=train_loader,
+              val=val, nocap_val=nocap_val, accumulation=accumulation, layout=layout, compiled=compiled,
+              # NoCap: bf16 autocast on CUDA; CPU runs stay in fp32 so tests are exact.
+              autocast_ctx=precision(env.device, "bf16" if env.device.type == "cuda" else "fp32"),
+              average=WeightAverage(raw_model, args.ema_decay, args.ema_start) if args.ema_decay else None,
+              draw_log_weights=draw_log_weights(args, train_loader), claim=claim)
+    resumed = resume_from(ckpt_path, run) if ckpt_path is not None else Resumed()
+    run.start_step, run.train_time_s, run.resumed_evaluation = resumed.step, resumed.train_time_s, resumed.evaluation
+    if env.is_main:  # every input is checked: the run directory may change now
+        repair_run_dir(run_dir, restart=args.resume == "auto" and ckpt_path is None)
+    run.model = compile_model(args, env, raw_model, compile_options)
+    run.eval_model = run.model if evaluation_compiles(config, args.val_dtype) else raw_model
+    run.resumed_from = ckpt_path
+    wandb_run = None
+    if args.log_wandb and env.is_main:
+        import wandb  # check_run_flags made sure it is there
+        wandb_run = wandb.init(project="gpt2-speedrun", name=os.path.basename(run_dir), config=vars(args))
+    run.log = RunLog(run_dir if env.is_main else None, resumed.records, wandb_run)
+    return run
+
+
+def describe_run(run: Run):
+    """config.json, and the run's opening lines."""
+    args, env, config, raw_model, loader = run.args, run.env, run.config, run.raw_model, run.train_loader
+    run.log.write_json("config.json", dict(
+        args=vars(args), model_config=asdict(config), run_dir=run.run_dir, git_sha=git_sha(),
         torch_version=torch.__version__, cuda_version=torch.version.cuda,
         triton_version=kernels.triton.__version__ if kernels.triton is not None else None,
         device=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",
-        world_size=env.world_size, grad_accumulation_steps_per_process=accumulation,
+        world_size=env.world_size, grad_accumulation_steps_per_process=run.accumulation,
         tokens_per_step=run.tokens_per_step, num_params=raw_model.num_params(),
-        active_params=raw_model.active_params(), resumed_from=ckpt_path, compile=compiled))
-    log.print(f"model {args.model}: {raw_model.num_params():,} parameters | {run.tokens_per_step:,} tokens/step "
-              f"({B}x{T} x {accumulation} accumulation x {env.world_size} processes) | train data "
-              f"{train_loader.total_tokens:,} tokens in {len(train_loader.files)} shards | run dir {run_dir}")
+        active_params=raw_model.active_params(), resumed_from=run.resumed_from, compile=run.compiled))
+    run.log.print(f"model {args.model}: {raw_model.num_params():,} parameters | {run.tokens_per_step:,} tokens/step "
+                  f"({args.batch_size}x{args.sequence_length} x {run.accumulation} accumulation x {env.world_size} "
+                  f"processes) | train data {loader.total_tokens:,} tokens in {len(loader.files)} shards | run dir "
+                  f"{run.run_dir}")
     if args.sampled_softmax:
-        report_sampled_softmax(args, config, train_loader, log)
+        report_sampled_softmax(args, config, loader, run.log)
     if args.bos_align:
-        log.print(f"rows begin at documents: {train_loader.trained_fraction():.0%} of the first shard's tokens are "
-                  "trained on, the rest are the skipped ends of cut documents")
-    return run
+        run.log.print(f"rows begin at documents: {loader.trained_fraction():.0%} of the first shard's tokens are "
+                      "trained on, the rest are the skipped ends of cut documents")
 
 
 def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
@@ -2975,21 +3237,24 @@ def warm_up_compile(run: Run) -> float:
 
 
 def save_checkpoint(run: Run, step: int, evaluated: bool):
-    """The run's state after `step` steps as ckpt_<step>.pt (atomically), keeping only the newest: a d12
-    checkpoint is ~1.5 GB. Rank 0 writes; the other ranks hold the same state."""
+    """The run's state after `step` steps as ckpt_<step>.pt, written whole or not at all, with the digest of
+    its contents inside; the older checkpoint goes once the new one is in place (a d12 checkpoint is ~1.5 GB).
+    Rank 0 writes; the other ranks hold the same state."""
     if not run.env.is_main:
         return
     path = os.path.join(run.run_dir, f"ckpt_{step:06d}.pt")
     device = run.env.device
-    atomic_torch_save(dict(
+    state = dict(
         format=CHECKPOINT_FORMAT, model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
         average=run.average.state_dict() if run.average is not None else None,
         step=step, batches_drawn=run.train_loader.batches_drawn, train_time_s=run.train_time_s, evaluated=evaluated,
         rng_cpu=torch.get_rng_state(), rng_cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        **run.layout), path)
+        **run.layout)
+    state["digest"] = state_digest(state)
+    atomic_write(path, lambda f: torch.save(state, f), "wb")
     for older in list_checkpoints(run.run_dir):
         if older != path:
-            remove_checkpoint(older)
+            os.remove(older)
 
 
 class Interrupted(Exception):
@@ -3028,14 +3293,6 @@ class StopSignal:
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-
-
-@dataclass
-class Evaluation:
-    """The loss on the run's validation rows (what the target is judged on), and the same tokens' loss in
-    NoCap's 1024-token rows where those rows are longer (else None)."""
-    val_loss: float
-    val_loss_1024: float | None
 
 
 def evaluate_and_record(run: Run, step: int, stop: StopSignal) -> tuple[Evaluation | None, float]:
@@ -3104,11 +3361,15 @@ class Outcome:
 
 def train(args) -> int:
     """Train until the target, the end of the schedule (and its overtime), a signal or divergence; returns
-    the exit code: 0, 1 diverged, 128 + the signal."""
+    the exit code: 0, 1 diverged or the run directory could not be written, 128 + the signal."""
     wall_start = time.perf_counter()
-    run = setup_run(args)
+    try:
+        run = setup_run(args)
+    except WriteFailed as e:
+        return report_write_failure(e, step=None)
     outcome, meter = Outcome(step=run.start_step), None
     try:
+        describe_run(run)
         with StopSignal() as stop:
             try:
                 if run.compiled:
@@ -3125,11 +3386,26 @@ def train(args) -> int:
                 meter = StepMeter(run.raw_model, run.env, run.tokens_per_step, sample)
                 train_loop(run, stop, outcome, meter)
         finish(run, outcome, meter, wall_start)
+    except WriteFailed as e:
+        run.log.close()
+        return report_write_failure(e, step=outcome.step)
     finally:
         run.log.close()  # also when an error ends the run: stdout and stderr are the terminal's again
+        if run.claim is not None:
+            run.claim.release()
     if outcome.status == "diverged":
         return 1
     return 128 + stop.signum if outcome.status == "interrupted" else 0
+
+
+def report_write_failure(error: WriteFailed, step: int | None) -> int:
+    """The one line a run that could not write its directory ends with (exit code 1)."""
+    newest = list_checkpoints(os.path.dirname(error.path))
+    kept = f"its newest whole checkpoint is {newest[-1]}" if newest else "it has no checkpoint yet"
+    stopped = "the run stopped" + (f" at step {step}" if step is not None else " before training")
+    print(f"error: {error} — {stopped}; {kept}: free some space (or fix the mount), then run again with "
+          "--resume auto", file=sys.stderr, flush=True)
+    return 1
 
 
 def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
@@ -3160,11 +3436,13 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
             break
         last_step, evaluated = step == final_step, False
         due = last_step or step == scheduled_end or (args.val_loss_every > 0 and step % args.val_loss_every == 0)
-        if due and not (step == run.start_step and run.evaluated_at_start):
+        result = run.resumed_evaluation if step == run.start_step else None  # judged again, not run again
+        if due and result is None:
             result, eval_s = evaluate_and_record(run, step, stop)
             outcome.eval_time_s += eval_s
             if result is None:
                 continue  # a signal cut the evaluation short: the top of the loop checkpoints and stops
+        if due:
             val_loss, evaluated = result.val_loss, True
             outcome.final_val_loss, outcome.final_val_loss_1024 = val_loss, result.val_loss_1024
             nocap_rows = "" if result.val_loss_1024 is None else f" (1024-token rows: {result.val_loss_1024:.6f})"
@@ -3280,9 +3558,14 @@ def report_input_errors(action) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The command line, with the chosen variant's recipe (model_variants.RECIPES) as flag defaults."""
-    parser = build_parser()
-    known, _ = parser.parse_known_args(argv)
+    """The command line, with the chosen variant's recipe (model_variants.RECIPES) as flag defaults, which
+    --help shows beside the variant's own fields."""
+    first = ArgumentParser(add_help=False)  # which variant, and whether the batch is sized on the command line
+    first.add_argument("--model", default="d12")
+    first.add_argument("--total_batch_size", type=int)
+    first.add_argument("--grad_accumulation_steps", type=int)
+    known, _ = first.parse_known_args(argv)
+    parser = build_parser(known.model)
     recipe = dict(RECIPES.get(known.model, {}))
     if known.total_batch_size is not None or known.grad_accumulation_steps is not None:
         # The user sized the batch with one of the two linked flags: the recipe's size gives way entirely.

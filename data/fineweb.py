@@ -9,7 +9,6 @@ uint16 token ids, every document preceded by <|endoftext|>; shard 000000 is the 
 Files are written to a temporary name and renamed, so an interrupted run never leaves a torn shard.
 """
 
-import argparse
 import glob
 import itertools
 import multiprocessing
@@ -20,7 +19,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import HEADER_BYTES, InputError, read_shard_header, report_input_errors, write_shard  # noqa: E402
+from train_gpt2 import (HEADER_BYTES, ArgumentParser, InputError, need_package, read_shard_header,  # noqa: E402
+                        report_input_errors, write_shard)
 
 CACHED_REPO = "kjj0/fineweb10B-gpt2"  # the shards NoCap-Test and modded-nanogpt train on
 CACHED_TRAIN_SHARDS = 103  # available in that repository (100M tokens each)
@@ -98,6 +98,7 @@ def iter_texts(inputs: str | None):
     """Document texts, streamed: local parquet/jsonl files if `inputs` (a glob) is given, else FineWeb
     sample-10BT from the Hugging Face hub. Documents with no text are skipped. Bad inputs are reported
     here, before any tokenizer process starts."""
+    need_package("datasets", "--source raw (it reads documents with the datasets package)")
     from datasets import load_dataset
     if inputs:
         files = sorted(glob.glob(inputs))
@@ -185,8 +186,7 @@ def tokenize_to_shards(texts, output_dir: str, prefix: str, shard_size: int, max
 # -----------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--source", choices=("cached", "raw"), default="cached",
                    help="cached: download NoCap's pre-tokenized shards; raw: tokenize documents yourself")
     p.add_argument("-n", "--num_train_shards", type=int, default=25,

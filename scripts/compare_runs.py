@@ -13,7 +13,6 @@ reference with its data order and, where the shapes match, its initial weights, 
 seed, lucky or not, sets every run's target.
 """
 
-import argparse
 import functools
 import json
 import os
@@ -21,31 +20,14 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from train_gpt2 import ArgumentParser, InputError, build_parser, need_package, read_metrics  # noqa: E402
 
 # Flags that do not change what is trained: runs differing only in these are seeds of one config.
 NOT_CONFIG = {"seed", "run_name", "output_dir", "resume", "log_wandb", "save_every", "device"}
 
 
-class LogError(Exception):
+class LogError(InputError):
     """A run directory that cannot be read: reported as one `error:` line."""
-
-
-def read_jsonl(path: str) -> list[dict]:
-    """Records of a metrics.jsonl. A torn last line (a run killed mid-write) is dropped; a bad line
-    anywhere else is an error naming the line."""
-    with open(path) as f:
-        lines = f.read().splitlines()
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number == len(lines):
-                break
-            raise LogError(f"{path}:{number}: not a JSON line; the file is corrupt") from None
-    return records
 
 
 def load_run(run_dir: str) -> dict:
@@ -54,13 +36,13 @@ def load_run(run_dir: str) -> dict:
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(metrics_path):
         raise LogError(f"{run_dir}: no metrics.jsonl — not a train_gpt2.py run directory")
-    records = read_jsonl(metrics_path)
+    records, _ = read_metrics(metrics_path)  # a torn last line (a run killed mid-write) is left out
     optional = {}
     for name in ("config.json", "summary.json"):
         path = os.path.join(run_dir, name)
         if os.path.exists(path):
             try:
-                with open(path) as f:
+                with open(path, encoding="utf-8", errors="replace") as f:
                     optional[name] = json.load(f)
             except json.JSONDecodeError:
                 raise LogError(f"{path}: not valid JSON; the file is corrupt") from None
@@ -112,7 +94,6 @@ def run_stats(run: dict, target: float) -> dict:
 def flag_defaults() -> dict:
     """The trainer's own flag defaults, without any recipe's: what a run made before a flag existed did
     (a new flag's default keeps the trainer's earlier behaviour)."""
-    from train_gpt2 import build_parser
     return vars(build_parser().parse_args([]))
 
 
@@ -225,7 +206,8 @@ def ratio(reference: float | None, value: float | None) -> float | None:
 
 
 def plot(runs: list[dict], target: float, path: str):
-    import matplotlib  # imported only here: plotting is optional
+    need_package("matplotlib", "--plot")
+    import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -245,8 +227,17 @@ def plot(runs: list[dict], target: float, path: str):
     plt.close(fig)
 
 
+def parse_target(text: str) -> float | str:
+    if text in ("first", "paired"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise InputError(f"--target {text!r}: expected a number, 'first' or 'paired'") from None
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_dirs", nargs="+", help="run directories written by train_gpt2.py")
     p.add_argument("--target", default="3.3821",
                    help="val loss whose crossing is timed; 'first': the first run's final val loss (time to "
@@ -255,20 +246,18 @@ def main(argv=None) -> int:
     p.add_argument("--plot", default=None, help="also draw val loss vs time and vs tokens into this PNG")
     args = p.parse_args(argv)
     try:
+        target = parse_target(args.target)
         runs = [load_run(d) for d in args.run_dirs]
-        paired = args.target == "paired"
-        target = None if paired else \
-            runs[0]["evals"][-1]["val_loss"] if args.target == "first" else float(args.target)
-        print(comparison_table(group_runs(runs), target, paired))
-    except LogError as e:
+        paired = target == "paired"
+        if target == "first":
+            target = runs[0]["evals"][-1]["val_loss"]
+        print(comparison_table(group_runs(runs), None if paired else target, paired))
+        if args.plot:
+            plot(runs, None if paired else target, args.plot)
+            print(f"plot: {args.plot}")
+    except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ValueError:
-        print(f"error: --target {args.target!r}: expected a number, 'first' or 'paired'", file=sys.stderr)
-        return 2
-    if args.plot:
-        plot(runs, target, args.plot)
-        print(f"plot: {args.plot}")
     return 0
 
 

@@ -6,13 +6,12 @@
 Prints `val_loss: <nats>`; the same function that decides a training run's stop scores it here.
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import (NOCAP_VAL_ROW, InputError, ValidationSet, evaluate, model_from_checkpoint,  # noqa: E402
-                        pick_device, report_input_errors)
+from train_gpt2 import (NOCAP_VAL_ROW, ArgumentParser, InputError, ValidationSet, evaluate,  # noqa: E402
+                        model_from_checkpoint, pick_device, report_input_errors)
 
 
 def score(model, val_bin: str, val_tokens: int, val_batch_size: int, sequence_length: int, dtype: str = "fp32") -> float:
@@ -24,7 +23,7 @@ def score(model, val_bin: str, val_tokens: int, val_batch_size: int, sequence_le
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="a ckpt_*.pt written by train_gpt2.py")
     p.add_argument("--val_bin", required=True, help="glob of validation shards; the first one is scored")
     p.add_argument("--val_tokens", type=int, default=1_048_576, help="tokens scored (a multiple of 16*1024)")

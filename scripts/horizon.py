@@ -23,6 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_runs import LogError, crossing, load_run  # noqa: E402
+from train_gpt2 import ArgumentParser, InputError, need_package  # noqa: E402
 
 
 def final(run: dict) -> tuple[float, float]:
@@ -101,7 +102,8 @@ def horizon_table(references: list[dict], candidates: dict[str, list[dict]], tok
 def plot(references: list[dict], candidates: dict[str, list[dict]], path: str):
     """P100 val loss against tokens (log scale): each reference run's curve with its final loss marked (the
     targets), and each candidate's runs in one colour per candidate."""
-    import matplotlib  # imported only here: plotting is optional
+    need_package("matplotlib", "--plot")
+    import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -136,8 +138,8 @@ def parse_pairs(items: list[str], flag: str) -> list[tuple[str, str]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reference", nargs="+", required=True, help="run directories of the reference at each budget")
     p.add_argument("--candidate", action="append", default=[], required=True,
                    help="NAME=RUN,RUN,... : one recipe at several schedule lengths (repeatable)")
@@ -159,13 +161,13 @@ def main(argv=None) -> int:
         unknown = set(speeds) - set(candidates) - {"reference"}
         if unknown:
             raise LogError(f"--tokens_per_s {', '.join(sorted(unknown))}: not a candidate name (or 'reference')")
-    except LogError as e:
+        print(horizon_table(references, candidates, speeds, args.extrapolate))
+        if args.plot:
+            plot(references, candidates, args.plot)
+            print(f"plot: {args.plot}")
+    except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(horizon_table(references, candidates, speeds, args.extrapolate))
-    if args.plot:
-        plot(references, candidates, args.plot)
-        print(f"plot: {args.plot}")
     return 0
 
 

@@ -28,10 +28,10 @@ import torch.nn as nn
 from torch.autograd import DeviceType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import (COMPILE_MODES, GPT, MLP, Block, CausalSelfAttention, InputError, LatentAttention,  # noqa: E402
-                        MoE, Norm, SoftmaxSample, TokenLoader, add_model_flags, check_sampled_softmax,
-                        configure_compile, draw_log_weights, make_optimizer, parse_args, pick_device,
-                        report_input_errors, resolve_model_config, synchronize)
+from train_gpt2 import (COMPILE_MODES, GPT, MLP, ArgumentParser, Block, CausalSelfAttention, InputError,  # noqa: E402
+                        LatentAttention, MoE, Norm, SoftmaxSample, TokenLoader, add_model_flags,
+                        check_sampled_softmax, configure_compile, draw_log_weights, make_optimizer, parse_args,
+                        pick_device, report_input_errors, resolve_model_config, synchronize)
 
 PARTS = ("embedding", "attention projections", "attention core", "MLP / MoE", "norms", "head + loss",
          "residual adds & other", "optimizer", "data loading")
@@ -231,7 +231,7 @@ def format_kernels(kernels: Kernels, device_type: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_flags(p)
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--sequence_length", type=int, default=1024)

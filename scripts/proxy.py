@@ -33,8 +33,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from model_variants import RECIPES  # noqa: E402
-from train_gpt2 import (InputError, overtime_applies, parse_args, read_shard_header,  # noqa: E402
-                        resolve_grad_accumulation)
+from train_gpt2 import (FINISHED_STATUSES, ArgumentParser, InputError, overtime_applies, parse_args,  # noqa: E402
+                        read_json, read_shard_header, resolve_grad_accumulation)
 
 # NoCap-Test's baseline schedule: 4768 steps, 256 of linear warmup, a linear warmdown over the last 1024.
 NOCAP_STEPS, NOCAP_WARMUP, NOCAP_WARMDOWN = 4768, 256, 1024
@@ -138,7 +138,7 @@ def trainer_args(model: str, flags: list[str]):
     """The trainer's view of a command line (recipe defaults applied); bad flags become InputError."""
     try:
         return parse_args(["--model", model, *flags])
-    except SystemExit:  # argparse already printed its usage line
+    except SystemExit:  # argparse already printed its error line
         raise InputError(f"{model}: the flags {' '.join(flags)!r} are not train_gpt2.py flags") from None
 
 
@@ -273,14 +273,8 @@ def score_checks(protocol: Protocol, run_dir: str, data: str) -> dict:
     return scores
 
 
-def read_json(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
-
-
 def finished(run_dir: str) -> bool:
-    path = os.path.join(run_dir, "summary.json")
-    return os.path.exists(path) and read_json(path).get("status") in ("completed", "reached_target", "missed_target")
+    return (read_json(os.path.join(run_dir, "summary.json")) or {}).get("status") in FINISHED_STATUSES
 
 
 def archive(work: str, path: str):
@@ -384,8 +378,8 @@ def print_table(run_dirs: list[str], jobs: int, table_path: str, plot_path: str 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("stage", help="unpack the shards of --src into --data")
     s.add_argument("--src", required=True, help="folder of proxy shards (.bin or .bin.xz)")

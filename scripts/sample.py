@@ -13,7 +13,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import InputError, model_from_checkpoint, pick_device, report_input_errors  # noqa: E402
+from train_gpt2 import ArgumentParser, InputError, model_from_checkpoint, pick_device, report_input_errors  # noqa: E402
 
 EOT = 50256
 
@@ -30,7 +30,7 @@ def gpt2_encoder():
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="a ckpt_*.pt written by train_gpt2.py")
     p.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
     p.add_argument("--max_new_tokens", type=int, default=100)

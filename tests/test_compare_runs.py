@@ -82,7 +82,26 @@ def test_torn_last_line_is_ignored_but_a_corrupt_middle_is_an_error(tmp_path, ca
     open(f"{run}/metrics.jsonl", "w").write("\n".join(lines) + "\n")
     assert compare_runs.main([run]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].endswith("metrics.jsonl:4: not a JSON line; the file is corrupt")
+    assert len(err) == 1 and err[0].endswith("metrics.jsonl:4: not a JSON record; the file is corrupt (not a "
+                                             "metrics.jsonl written by train_gpt2.py, or damaged)")
+
+
+def test_a_binary_metrics_file_is_named_in_one_line(tmp_path, capsys):
+    run = write_run(tmp_path, "r", [(0, 0.0, 4.0), (10, 10.0, 3.0)])
+    (tmp_path / "r" / "metrics.jsonl").write_bytes(bytes(range(256)) * 8)  # not text, and several "lines"
+    assert compare_runs.main([run, "--target", "3.5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {tmp_path / 'r' / 'metrics.jsonl'}:1: not a JSON record; the file is corrupt (not a "
+                   "metrics.jsonl written by train_gpt2.py, or damaged)"]
+
+
+def test_a_bad_target_and_a_missing_matplotlib_are_one_line_each(tmp_path, capsys, monkeypatch):
+    run = write_run(tmp_path, "r", [(0, 0.0, 4.0), (10, 10.0, 3.0)])
+    assert compare_runs.main([run, "--target", "low"]) == 2
+    assert capsys.readouterr().err == "error: --target 'low': expected a number, 'first' or 'paired'\n"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert compare_runs.main([run, "--plot", str(tmp_path / "c.png")]) == 2
+    assert capsys.readouterr().err == "error: --plot needs matplotlib, which is not installed: pip install matplotlib\n"
 
 
 @pytest.mark.parametrize("damage, message", [

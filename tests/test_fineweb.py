@@ -57,6 +57,15 @@ def test_real_fineweb_parquet_tokenizes_to_tiktokens_ids(tmp_path):
     np.testing.assert_array_equal(got, expected_stream(texts, enc)[:budget])
 
 
+def test_raw_tokenization_without_datasets_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: it is an extra
+    assert fineweb.main(["--source", "raw", "--input", str(tmp_path / "*.jsonl"), "--output_dir",
+                         str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == ("error: --source raw (it reads documents with the datasets package) needs "
+                                       "datasets, which is not installed: pip install datasets\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_shard_writer_splits_documents_across_shards(tmp_path):
     writer = fineweb.ShardWriter(str(tmp_path), "w", shard_size=4)
     for doc in ([1, 2, 3], [4, 5, 6, 7, 8], [9]):

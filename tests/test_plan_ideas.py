@@ -213,8 +213,8 @@ def test_an_8_bit_adamw_checkpoint_loads_where_torchao_was_never_imported(tmp_pa
     declared = torch.serialization.get_safe_globals()
     torch.serialization.clear_safe_globals()
     try:
-        with pytest.raises(InputError, match=r"^--checkpoint: .* holds 8-bit AdamW state \(torchao\..*\), which "
-                                             r"only torchao can read; pip install torchao$"):
+        with pytest.raises(InputError, match=r"^--checkpoint .* \(8-bit AdamW state, torchao\..*\) needs torchao, "
+                                             r"which is not installed: pip install torchao$"):
             load_checkpoint(ckpt, expected={}, flag="--checkpoint")
     finally:
         torch.serialization.add_safe_globals(declared)
@@ -226,14 +226,13 @@ def test_a_missing_torchao_is_one_line(tmp_path, shards, capsys, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     assert main(tiny_run_args(shards, tmp_path, "run", "--optimizer", "adamw8bit")) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --optimizer adamw8bit: its 8-bit AdamW comes from torchao, which is not installed; "
-                   "pip install torchao, or pick another --optimizer"]
+    assert err == ["error: --optimizer adamw8bit (its 8-bit AdamW) needs torchao, which is not installed: "
+                   "pip install torchao"]
     import train_gpt2
     train_gpt2.fp8_training_linear.cache_clear()  # built once per process: build it again without torchao
     assert main(tiny_run_args(shards, tmp_path, "run", "--fp8_mlp", "true")) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --fp8_mlp: the FP8 products come from torchao, which is not installed; pip install "
-                   "torchao, or pass --fp8_mlp false"]
+    assert err == ["error: --fp8_mlp (its FP8 products) needs torchao, which is not installed: pip install torchao"]
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 

@@ -574,18 +574,19 @@ def test_the_compile_mode_reaches_every_compiled_graph(tmp_path, shards, capsys,
         compiled.append(getattr(fn, "__name__", type(fn).__name__))
         return fn
     monkeypatch.setattr(train_gpt2.torch, "compile", record)
-    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)
-    monkeypatch.setattr(inductor_config, "combo_kernels", True)
-    code, _, _ = run(capsys, shards, tmp_path, "run", "--compile", "--compile_mode", "max-autotune-no-cudagraphs",
-                     "--optimizer", "muon", *extra)
-    assert code == 0 and modes and set(modes) == {"max-autotune-no-cudagraphs"}
-    assert "muon_update" in compiled  # Muon's update is compiled with the model
-    # the trainer's defaults, set for the process
-    assert inductor_config.coordinate_descent_tuning and not inductor_config.combo_kernels
-    modes.clear()
-    assert run(capsys, shards, tmp_path, "plain", "--compile", "--no-coordinate_descent_tuning", "--combo_kernels",
-               *extra)[0] == 0
-    assert set(modes) == {"default"} and not inductor_config.coordinate_descent_tuning and inductor_config.combo_kernels
+    # The trainer sets inductor's settings for the process; patch() puts this process's back afterwards.
+    with inductor_config.patch(coordinate_descent_tuning=False, combo_kernels=True):
+        code, _, _ = run(capsys, shards, tmp_path, "run", "--compile", "--compile_mode", "max-autotune-no-cudagraphs",
+                         "--optimizer", "muon", *extra)
+        assert code == 0 and modes and set(modes) == {"max-autotune-no-cudagraphs"}
+        assert "muon_update" in compiled  # Muon's update is compiled with the model
+        # the trainer's defaults, set for the process
+        assert inductor_config.coordinate_descent_tuning and not inductor_config.combo_kernels
+        modes.clear()
+        assert run(capsys, shards, tmp_path, "plain", "--compile", "--no-coordinate_descent_tuning",
+                   "--combo_kernels", *extra)[0] == 0
+        assert set(modes) == {"default"}
+        assert not inductor_config.coordinate_descent_tuning and inductor_config.combo_kernels
     compiled.clear()
     assert run(capsys, shards, tmp_path, "eager", "--optimizer", "muon", *extra)[0] == 0
     assert compiled == []
@@ -677,7 +678,7 @@ def test_an_input_error_under_torchrun_is_one_line_from_rank_0_and_no_rank_crash
                           str(REPO / "train_gpt2.py"), *tiny_run_args(shards, tmp_path, "ddp", "--log_wandb")],
                          capture_output=True, text=True, timeout=300, env=env)
     ours = [line for line in ddp.stderr.splitlines() if line.startswith("error: ")]
-    assert ours == ["error: --log_wandb: wandb is not installed; pip install wandb, or drop the flag"]
+    assert ours == ["error: --log_wandb needs wandb, which is not installed: pip install wandb"]
     assert "train_gpt2.py\", line" not in ddp.stderr and "gloo" not in ddp.stderr.lower()  # no worker traceback
 
 
@@ -792,7 +793,8 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path, shards, capsys):
     capsys.readouterr()
     line = _error(capsys, tiny_run_args(shards, tmp_path, "b", "--n_layer", "3", "--resume",
                                         str(tmp_path / "elsewhere.pt")))
-    assert "model_config" in line and "start a new run" in line
+    assert f"{tmp_path / 'elsewhere.pt'} was trained with another model_config (n_layer 2 there, 3 here);" in line
+    assert "start a new run" in line and len(line) < 300
 
 
 def test_bos_aligned_training_says_what_it_trains_on_and_resumes_only_aligned(tmp_path, shards, capsys):
@@ -811,21 +813,41 @@ def test_bos_aligned_training_says_what_it_trains_on_and_resumes_only_aligned(tm
                     "which would not begin at documents; drop one of them")
 
 
-def test_a_damaged_checkpoint_is_refused_by_its_checksum(tmp_path, shards, capsys):
+def test_a_damaged_copy_of_a_checkpoint_is_refused_by_the_digest_it_carries(tmp_path, shards, capsys):
     assert main(tiny_run_args(shards, tmp_path, "a", "--num_iterations", "8", "--save_every", "4")) == 0
     capsys.readouterr()
-    ckpt = next((tmp_path / "a").glob("ckpt_*.pt"))
-    assert (tmp_path / "a" / f"{ckpt.name}.sha256").exists()
-    data = bytearray(ckpt.read_bytes())
+    copy = tmp_path / "elsewhere" / "ckpt.pt"  # copied on its own: the digest travels inside the file
+    copy.parent.mkdir()
+    data = bytearray(next((tmp_path / "a").glob("ckpt_*.pt")).read_bytes())
     for i in range(1000, 1050):  # 50 flipped bytes inside the tensors: torch.load alone reads them fine
         data[len(data) // 2 + i] ^= 0xFF
-    ckpt.write_bytes(bytes(data))
-    line = _error(capsys, tiny_run_args(shards, tmp_path, "b", "--num_iterations", "8", "--resume", str(ckpt)))
-    assert line == (f"error: --resume: {ckpt} does not match its checksum ({ckpt.name}.sha256): the file is damaged; "
-                    "use an earlier checkpoint or start the run again")
+    copy.write_bytes(bytes(data))
+    line = _error(capsys, tiny_run_args(shards, tmp_path, "b", "--num_iterations", "8", "--resume", str(copy)))
+    assert line == (f"error: --resume: {copy} does not match the digest it carries: the file is damaged; use an "
+                    "earlier checkpoint or start the run again")
     from train_gpt2 import load_checkpoint
-    with pytest.raises(InputError, match="^--checkpoint: .* does not match its checksum"):
-        load_checkpoint(str(ckpt), {}, flag="--checkpoint")  # what sample.py and eval_checkpoint.py say
+    with pytest.raises(InputError, match="^--checkpoint: .* does not match the digest it carries"):
+        load_checkpoint(str(copy), {}, flag="--checkpoint")  # what sample.py and eval_checkpoint.py say
+    assert not (tmp_path / "b").exists()
+
+
+def test_the_digest_covers_every_tensor_byte_and_value_of_a_checkpoint():
+    from train_gpt2 import state_digest
+    state = dict(model={"w": torch.arange(6.0).reshape(2, 3)}, step=4, rng=torch.tensor([1, 2], dtype=torch.uint8),
+                 half=torch.ones(3, dtype=torch.bfloat16), groups=[{"lr": 0.1}])
+    digest = state_digest(state)
+    assert digest == state_digest(copy_of(state))
+    for change in (lambda s: s["model"]["w"].view(-1)[5].add_(1e-6), lambda s: s.update(step=5),
+                   lambda s: s["rng"].add_(1), lambda s: s["half"].mul_(2), lambda s: s["groups"][0].update(lr=0.2),
+                   lambda s: s["model"].update(w=s["model"]["w"].reshape(3, 2))):
+        changed = copy_of(state)
+        change(changed)
+        assert state_digest(changed) != digest
+
+
+def copy_of(state):
+    import copy
+    return copy.deepcopy(state)
 
 
 def test_unfinished_checkpoint_writes_are_removed_when_the_run_starts_again(tmp_path, shards, capsys):
@@ -858,6 +880,31 @@ def test_nocap_run_sh_flags_parse_unchanged():
         "--num_iterations 4768 --weight_decay 0.1 --learning_rate 0.0018 --warmup_iters 256 "
         "--warmdown_iters 1024 --log_wandb".split())
     assert (args.batch_size, args.grad_accumulation_steps, args.learning_rate, args.log_wandb) == (16, 32, 0.0018, True)
+
+
+def test_a_bad_flag_value_is_one_line_and_where_to_look(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--batch_size", "2.5"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith("error: argument --batch_size: invalid int value: '2.5' (") and "--help lists the flags)" in err
+
+
+def test_help_gives_each_model_flag_its_meaning_and_the_chosen_variants_values(capsys):
+    from model_variants import config_fields
+    from train_gpt2 import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "d12_fast", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--n_head N_HEAD attention heads (head_dim = n_embd / n_head) (d12_fast: 6)" in text
+    assert "--mlp_act MLP_ACT the MLP's activation: gelu, relu2 (ReLU squared) or swiglu (d12_fast: 'relu2')" in text
+    assert "optimizer steps at most (default: 16000)" in text  # the recipe's, not NoCap's 4768
+    assert "override the variant" not in text and "(default: None)" not in text
+    assert all(f.metadata.get("help") for f in config_fields())
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(d12: 12)" in text and "optimizer steps at most (default: 4768)" in text
 
 
 def test_every_model_field_has_an_override_flag():
@@ -956,7 +1003,7 @@ def test_wandb_is_only_imported_when_asked_for(tmp_path, shards, capsys, monkeyp
     assert main(tiny_run_args(shards, tmp_path, "plain")) == 0  # never imported without --log_wandb
     capsys.readouterr()
     line = _error(capsys, tiny_run_args(shards, tmp_path, "logged", "--log_wandb"))
-    assert "--log_wandb: wandb is not installed; pip install wandb" in line
+    assert line == "error: --log_wandb needs wandb, which is not installed: pip install wandb"
 
 
 def test_moe_and_mtp_terms_are_logged_beside_the_next_token_loss(tmp_path, shards, capsys):
