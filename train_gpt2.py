@@ -3548,13 +3548,17 @@ def flag_text(flag: str, value) -> str:
 
 
 def report_input_errors(action) -> int:
-    """Run a command-line action; bad input becomes one `error: ...` line on stderr and exit code 2."""
+    """Run a command-line action; bad input becomes one `error: ...` line on stderr and exit code 2, a file
+    that could not be written one such line and exit code 1."""
     try:
         return action()
     except InputError as e:
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank meets the same input: one line
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except WriteFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,0 +1,167 @@
+"""scripts/calibrate.py: a record's public FineWeb tokens read off its logs, its code set up for the proxy on one
+GPU, a run read back as a run directory, and the calibration fit. A small stand-in record plays the public one."""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import calibrate  # noqa: E402
+from train_gpt2 import InputError  # noqa: E402
+
+SEPARATOR = "=" * 100
+# A record's training code in the shape of the public ones: Hyperparameters, a momentum warmup counted in steps,
+# one step per micro-batch, and the `step:N/M val_loss:X` lines (the loss falls as 4 - step / num_iterations).
+FAKE_CODE = '''import os
+from dataclasses import dataclass
+import torch._inductor.config as config
+config.coordinate_descent_tuning = True # suggested
+
+@dataclass
+class Hyperparameters:
+    input_bin : str = 'data/fineweb10B/fineweb_train_*.bin' # input .bin to train on
+    input_val_bin : str = 'data/fineweb10B/fineweb_val_*.bin' # input .bin to eval validation loss on
+    batch_size : int = 8*64 # batch size, in sequences, across all devices
+    num_iterations : int = 1000 # number of iterations to run
+    warmdown_iters : int = 300 # number of iterations of linear warmdown
+    val_loss_every : int = 125 # every how many steps to evaluate val loss
+    val_tokens : int = 10485760 # how many tokens of validation data?
+    run_id = f'final/{os.getpid()}'
+args = Hyperparameters()
+
+os.makedirs("logs", exist_ok=True)
+for step in range(args.num_iterations + 1):
+    frac = min(step/300, 1)
+    if step == args.num_iterations or step % args.val_loss_every == 0:
+        loss = 4 - step / args.num_iterations
+        print(f"step:{step}/{args.num_iterations} val_loss:{loss:.4f} train_time:{10 * step}ms")
+    if step < args.num_iterations:
+        print(f"step:{step + 1}/{args.num_iterations} train_time:{10 * step}ms")
+'''
+
+
+def fake_record(directory, curves, name="2099-01-01_Fake"):
+    """A record folder whose logs hold FAKE_CODE and the given (step, loss) curves, as the public ones do."""
+    record = directory / name
+    record.mkdir(parents=True)
+    for i, points in enumerate(curves):
+        lines = [f"step:{s}/1000 val_loss:{loss:.4f} train_time:{s}ms step_avg:1.00ms" for s, loss in points]
+        (record / f"log{i}.txt").write_text(FAKE_CODE + SEPARATOR + "\n" + "\n".join(lines) + "\n")
+    return record
+
+
+@pytest.fixture
+def fake_entry(monkeypatch):
+    monkeypatch.setitem(calibrate.RECORDS, "2099-01-01_Fake", calibrate.Record(
+        tokens_per_step=1000, data=("input_bin", "input_val_bin"), step_fields=("warmdown_iters",)))
+
+
+def test_fineweb_tokens_are_each_logs_crossing_interpolated(tmp_path, fake_entry):
+    record = fake_record(tmp_path, [[(0, 11.0), (500, 3.5), (600, 3.3), (700, 3.2)],
+                                    [(0, 11.0), (500, 3.4), (600, 3.38), (700, 3.2)],
+                                    [(0, 11.0), (500, 3.6), (1000, 3.41)]])  # the last never reaches it
+    result = calibrate.fineweb_tokens(str(record), target=3.4)
+    first, second = 500 + 100 * (3.5 - 3.4) / (3.5 - 3.3), 500 + 100 * (3.4 - 3.4) / (3.4 - 3.38)
+    assert result["logs"] == 2 and result["tokens_per_step"] == 1000
+    assert result["tokens"] == pytest.approx(1000 * (first + second) / 2)
+    assert result["spread"] == pytest.approx(1000 * abs(first - second) / math.sqrt(2))
+
+
+def test_the_public_records_are_read_as_their_logs_say(tmp_path):
+    # A log line of 2024-11-19_FlexAttention, its 8 x 64K tokens a step: 1500.6 steps, 0.787B tokens.
+    record = tmp_path / "2024-11-19_FlexAttention"
+    record.mkdir()
+    lines = ["step:1375/1875 val_loss:3.4321", "step:1500/1875 val_loss:3.3823", "step:1625/1875 val_loss:3.3383"]
+    (record / "a.txt").write_text("code\n" + SEPARATOR + "\n" + "\n".join(lines) + "\n")
+    tokens = calibrate.fineweb_tokens(str(record))["tokens"]
+    assert tokens == pytest.approx((1500 + 125 * 0.0002 / 0.0440) * 524_288) and 0.786e9 < tokens < 0.788e9
+
+
+def test_prepare_changes_only_data_steps_evaluations_and_the_named_edits(tmp_path, fake_entry, monkeypatch):
+    record = fake_record(tmp_path, [[(0, 11.0)]])
+    code, steps = calibrate.prepared_code(str(record), budget=250_000, data="/proxy")
+    assert steps == 250  # 250k tokens at 1,000 a step: a quarter of the record's 1,000 steps
+    assert "input_bin : str = '/proxy/mix_train_00000[1-5].bin' # input .bin to train on" in code
+    assert "input_val_bin : str = '/proxy/mix_val_000000.bin'" in code
+    assert "num_iterations : int = 250 #" in code and "warmdown_iters : int = 75 #" in code  # 300 of 1,000 steps
+    assert "val_tokens : int = 1048576 #" in code and "val_loss_every : int = 15 #" in code  # 16 a run
+    assert "frac = min(step/75, 1)" in code  # the momentum warmup, re-sized too
+    assert "batch_size : int = 8*64 #" in code  # untouched
+    assert "config.coordinate_descent_tuning = False # suggested" in code  # compile time only
+    assert "    run_id = 'record'\n" in code  # its log in logs/, not in a folder the run would have to make
+    monkeypatch.setitem(calibrate.RECORDS, "2099-01-01_Fake", calibrate.Record(
+        1000, ("input_bin", "input_val_bin"), edits=(("frac = min(step/300, 1)\n", "frac = 1\n"),)))
+    assert "    frac = 1\n" in calibrate.prepared_code(str(record), 250_000, "/proxy")[0]
+    monkeypatch.setitem(calibrate.RECORDS, "2099-01-01_Fake", calibrate.Record(
+        1000, ("input_bin", "input_val_bin"), edits=(("print(", "log("),)))
+    with pytest.raises(InputError, match="matches 2 times, not once"):
+        calibrate.prepared_code(str(record), 250_000, "/proxy")
+
+
+def test_a_record_outside_the_set_or_without_code_is_one_line(tmp_path, capsys, fake_entry):
+    other = tmp_path / "2030-01-01_Other"
+    other.mkdir()
+    (other / "a.txt").write_text("x")
+    prepare = ["prepare", "--budget", "1M", "--data", "/p", "--out", str(tmp_path / "x.py")]
+    assert calibrate.main([*prepare, str(other)]) == 2
+    assert "is not in the calibration set" in capsys.readouterr().err
+    empty = tmp_path / "2099-01-01_Fake"
+    empty.mkdir()
+    (empty / "a.txt").write_text("no code here\n")
+    assert calibrate.main([*prepare, str(empty)]) == 2
+    assert "no training code with class Hyperparameters" in capsys.readouterr().err
+
+
+def test_run_trains_the_prepared_record_and_reads_it_back_as_a_run_directory(tmp_path, fake_entry, monkeypatch):
+    record = fake_record(tmp_path, [[(0, 11.0)]])
+    bin_dir = tmp_path / "bin"  # torchrun with one process: here, the script itself
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(f'#!/usr/bin/env bash\nexec {sys.executable} "${{@: -1}}"\n')
+    (bin_dir / "torchrun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    run_dir = calibrate.run_record(str(record), 320_000, "/proxy", str(tmp_path / "work"))
+    assert run_dir == str(tmp_path / "work" / "2099-01-01_Fake" / "0.32M")
+    metrics = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [m["step"] for m in metrics] == list(range(0, 320, 20)) + [320]  # every 20 steps and the last
+    assert all(m["tokens"] == 1000 * m["step"] for m in metrics)
+    assert metrics[-1]["val_loss"] == 3.0 and metrics[5]["train_time_s"] == pytest.approx(1.0)
+    summary = json.loads(open(os.path.join(run_dir, "summary.json")).read())
+    assert (summary["status"], summary["final_val_loss"], summary["tokens"]) == ("completed", 3.0, 320_000)
+    from compare_runs import load_run
+    assert load_run(run_dir)["evals"][-1]["val_loss"] == 3.0  # compare_runs reads it as it reads the trainer's
+
+
+def test_the_fit_reads_fineweb_tokens_off_the_proxy_loss_with_its_error_left_out():
+    losses = {"a": 4.0, "b": 4.2, "c": 4.5, "d": 5.0, "ours": 3.9}
+    fineweb = {label: math.exp(1.0 + 4.0 * loss) for label, loss in losses.items() if label != "ours"}
+    result = calibrate.calibration(losses, fineweb)
+    assert (result["a"], result["b"]) == (pytest.approx(1.0), pytest.approx(4.0))
+    assert result["spearman"] == pytest.approx(1.0) and result["typical_error"] == pytest.approx(1.0)
+    assert result["predicted"]["ours"] == pytest.approx(math.exp(1.0 + 4.0 * 3.9))
+    fineweb["b"] *= 1.5  # one record off the line: its left-out error shows it, the ranks still agree
+    off = calibrate.calibration(losses, fineweb)
+    assert off["left_out"]["b"] < 0.7 and off["spearman"] == pytest.approx(1.0) and off["typical_error"] > 1.1
+    with pytest.raises(InputError, match="the fit needs 3 or more"):
+        calibrate.calibration({"a": 4.0, "b": 4.2}, fineweb)
+
+
+def test_the_table_groups_runs_by_budget(tmp_path, capsys):
+    def run_dir(name, tokens, loss):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "metrics.jsonl").write_text(json.dumps(dict(step=1, tokens=tokens, val_loss=loss, train_time_s=1.0))
+                                            + "\n")
+        return f"{name}={path}"
+    (tmp_path / "fineweb.json").write_text(json.dumps({f"r{i}": {"tokens": 1e9 * (i + 1)} for i in range(3)}))
+    runs = [run_dir(f"r{i}", 100_000_000, 4.0 + i / 10) for i in range(3)] + [run_dir("ours", 99_975_168, 3.95)]
+    assert calibrate.main(["table", "--fineweb", str(tmp_path / "fineweb.json"), *runs,
+                           "--plot", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    out = capsys.readouterr().out
+    assert out.startswith("100M tokens: log(FineWeb tokens) =") and "rank agreement (Spearman) 1.00" in out
+    assert [line.split()[0] for line in out.splitlines()[2:6]] == ["ours", "r0", "r1", "r2"]  # by proxy loss
