@@ -300,21 +300,22 @@ VARIANTS: dict[str, GPTConfig] = {
 # Training settings a variant brings along: train_gpt2.py takes them as its flag defaults when --model
 # names the variant, and flags given on the command line still win. Keys are the trainer's flag names.
 RECIPES: dict[str, dict] = {
-    # FineWeb schedule, sized in docs/RESULTS.md: 16,000 steps of 65,536 tokens (1.05B), above the 0.6-1.0B that
-    # the P100 horizon curve projects for val <= 3.3821 and short of its range's upper end, 1.3B: 1.75x too long
-    # crosses a target ~15% later, 1.05x no later, and 0.81x too short ~17% (it trains on at the final lr, up to 8,000
-    # overtime steps, enough for that end). The run stops at the first evaluation under the target. The lr decays
-    # linearly to 10% over the whole run, not only its second half: a schedule longer than needed then crosses a
-    # target sooner, as the loss falls with the lr, for ~1% more tokens where the schedule is the right length.
+    # FineWeb schedule, sized in docs/RESULTS.md: 10,000 steps of 65,536 tokens (0.66B), the upper end of the
+    # FineWeb tokens to val <= 3.3821 that the proxy's calibration on public records reads for d12_fast
+    # (0.31-0.51B, each x/÷1.24): P100 measured a schedule 1.5x too long crossing a target 6-15% later and 0.75x
+    # too short 28% later (it trains on at the final lr, up to 5,000 overtime steps: 0.98B in all). The run stops
+    # at the first evaluation under the target. The lr decays linearly to 10% over the whole run, not only its
+    # second half: a schedule longer than needed then crosses a target sooner, as the loss falls with the lr, for
+    # ~1% more tokens where the schedule is the right length.
     # 65,536 tokens per step (one micro-batch of 16 rows of 4096): half the tokens of 262,144 to the same loss, for 2%
     # fewer tokens/s. Muon's momentum warms up over the first 15% of the steps.
     # muon_lr 0.03 and learning_rate 0.008 beat 1.5x up and down on P100; the other values follow the
     # modded-nanogpt lineage. The tied head trains in the head's group (learning_rate); embed_lr is the input
     # embedding's peak when it is untied.
     "d12_fast": dict(
-        optimizer="muon", muon_lr=0.03, muon_momentum_warmup=2400, learning_rate=0.008, embed_lr=0.3,
-        scalar_lr=0.04, weight_decay=0.0, total_batch_size=65536, num_iterations=16000,
-        warmup_iters=0, warmdown_iters=16000, lr_floor=0.1, val_loss_every=500, overtime_steps=8000,
+        optimizer="muon", muon_lr=0.03, muon_momentum_warmup=1500, learning_rate=0.008, embed_lr=0.3,
+        scalar_lr=0.04, weight_decay=0.0, total_batch_size=65536, num_iterations=10000,
+        warmup_iters=0, warmdown_iters=10000, lr_floor=0.1, val_loss_every=312, overtime_steps=5000,
         # NorMuon's row scaling: fewer tokens to the same loss for well under 1% of the step. (Polar Express's
         # quintics orthogonalize more closely but train no better: off.)
         normuon_beta2=0.95,
@@ -326,7 +327,7 @@ RECIPES: dict[str, dict] = {
         # and 1% more tokens to d12's final at 20M. 8,192 columns ran 22% faster but needed 30% more tokens.
         # Each 32,768 tokens of a micro-batch draw their own sample, so the step trains the same in one micro-batch
         # or two.
-        sampled_softmax=16384, sampled_softmax_iters=24000, sampled_softmax_tokens=32768,
+        sampled_softmax=16384, sampled_softmax_iters=15000, sampled_softmax_tokens=32768,
         # The drawn columns in proportion to each token's frequency (priority sampling): 4% fewer tokens to d12's
         # final at 20M and lower at 80M than uniform draws, at the same tokens/s. (At 8,192 columns they do not
         # help: the columns are then mostly the targets.)
@@ -341,9 +342,9 @@ RECIPES: dict[str, dict] = {
         # One micro-batch a step: its fixed costs (weight casts, launches, the sum of two micro-batches'
         # gradients) once, 3% more tokens/s than two of 8 rows, which train the same and need less memory.
         sequence_length=4096, batch_size=16, val_sequence_length="train", val_batch_size=4,
-        # The local layers attend within 64 tokens first, doubling to the full 256 at 66% of the steps: fewer
+        # The local layers attend within 64 tokens first, doubling to the full 256 at 65.6% of the steps: fewer
         # tokens to the same loss, at the cost of compiling each of the three windows.
-        window_start=64, window_iters=10500,
+        window_start=64, window_iters=6560,
         # Inductor's coordinate-descent tuning (NoCap's setting, d12's default) gains 0.4% tokens/s for 96 s
         # more compile: off. Its combo kernels save ~1.3 ms a step for ~30 s more: the step's first micro-batch
         # opens with dozens of tiny weight casts, which the GPU runs faster than the host launches them one by one.

@@ -21,9 +21,10 @@ model, optimizers, schedule shapes, the record's own validation: its row length,
 (metrics.jsonl, config.json, summary.json) that compare_runs.py and this script's `table` read beside the
 trainer's.
 
-`table` puts each run's final proxy loss (per budget) beside the public FineWeb tokens of the labels that have
-them, fits log(FineWeb tokens) = a + b x proxy loss per budget, and gives the rank agreement, the fit's error in
-tokens (each record left out of its own fit) and what the fit says of the labels without FineWeb tokens.
+`table` puts each run's final proxy loss (per budget; the mean where a label names several runs, e.g. seeds)
+beside the public FineWeb tokens of the labels that have them, fits log(FineWeb tokens) = a + b x proxy loss per
+budget, and gives the rank agreement, the fit's error in tokens (each record left out of its own fit), what the fit
+says of the labels without FineWeb tokens, and how far apart one label's runs are in FineWeb tokens.
 The record's code is never part of this repository: it is read from the record folder given.
 """
 
@@ -70,6 +71,7 @@ ACCUMULATED_STEP = (
     "    for _ in range(train_accumulation_steps):\n"
     "        loss = model(x, y, sliding_window=sliding_window_size) / train_accumulation_steps\n"
     "        loss.backward()\n        del loss\n        x, y = train_loader.next_batch()\n")
+GLOB_ANY_PATH = "sorted(Path(p) for p in __import__('glob').glob(filename_pattern))"  # Path.glob: relative only
 RECORDS = {
     "2024-10-14_ModernArch": Record(524_288, ("input_bin", "input_val_bin"), ("warmdown_iters",)),
     "2024-11-10_UNetDoubleLr": Record(524_288, ("input_bin", "input_val_bin"), ("warmdown_iters",)),
@@ -77,7 +79,8 @@ RECORDS = {
     "2024-11-24_WindowWarmup": Record(524_288, ("input_bin", "input_val_bin"), ("cooldown_iters",)),
     "2024-12-08_UNetValueEmbedsTweaks": Record(
         524_288, ("input_bin", "input_val_bin"), ("cooldown_iters",),
-        edits=(("assert train_accumulation_steps == 1\n", ""), (ONE_SEQUENCE_PER_GPU_STEP, ACCUMULATED_STEP))),
+        edits=(("assert train_accumulation_steps == 1\n", ""), (ONE_SEQUENCE_PER_GPU_STEP, ACCUMULATED_STEP),
+               ("sorted(Path.cwd().glob(filename_pattern))", GLOB_ANY_PATH))),
     "2025-01-04_SoftCap": Record(524_288, ("train_bin", "val_bin")),
     "2025-08-23_SparseAttnGate": Record(
         393_216, ("train_files", "val_files"),
@@ -291,43 +294,58 @@ def calibration(losses: dict[str, float], fineweb: dict[str, float]) -> dict:
                 predicted={label: math.exp(a + b * loss) for label, loss in losses.items()})
 
 
-def final_losses(pairs: list[tuple[str, str]]) -> dict[float, dict[str, float]]:
-    """Each run's final proxy loss by budget (its final tokens in millions, to 2 significant digits) and label."""
-    by_budget: dict[float, dict[str, float]] = {}
+def final_losses(pairs: list[tuple[str, str]]) -> dict[float, dict[str, list[float]]]:
+    """Each run's final proxy loss by budget (its final tokens in millions, to 2 significant digits) and label;
+    a label given several runs at one budget (seeds) keeps them all."""
+    by_budget: dict[float, dict[str, list[float]]] = {}
     for label, run_dir in pairs:
         last = load_run(run_dir)["evals"][-1]
         millions = last["tokens"] / 1e6
         budget = round(millions, 1 - int(math.floor(math.log10(millions))))
-        by_budget.setdefault(budget, {})[label] = last["val_loss"]
+        by_budget.setdefault(budget, {}).setdefault(label, []).append(last["val_loss"])
     return by_budget
 
 
-def table(by_budget: dict[float, dict[str, float]], fineweb: dict[str, float]) -> str:
+def mean_losses(runs: dict[str, list[float]]) -> dict[str, float]:
+    return {label: statistics.fmean(losses) for label, losses in runs.items()}
+
+
+def table(by_budget: dict[float, dict[str, list[float]]], fineweb: dict[str, float]) -> str:
+    """Per budget: the fit, then each label's proxy loss (the mean of its runs), its FineWeb tokens, the fit's
+    reading and its error left out; and the widest spread of one label's runs, in FineWeb tokens by the fit."""
     lines = []
-    for budget, losses in sorted(by_budget.items()):
+    for budget, runs in sorted(by_budget.items()):
+        losses = mean_losses(runs)
         result = calibration(losses, fineweb)
         lines.append(f"{budget:g}M tokens: log(FineWeb tokens) = {result['a']:.2f} + {result['b']:.2f} x proxy loss; "
                      f"rank agreement (Spearman) {result['spearman']:.2f}; typical error left out "
                      f"x{result['typical_error']:.2f}")
-        lines.append(f"  {'label':<34}{'proxy loss':>11}{'FineWeb tokens':>16}{'the fit':>10}{'left out':>10}")
+        lines.append(f"  {'label':<34}{'proxy loss':>11}{'runs':>5}{'FineWeb tokens':>16}{'the fit':>10}"
+                     f"{'left out':>10}")
         for label, loss in sorted(losses.items(), key=lambda item: item[1]):
             public = f"{fineweb[label] / 1e9:.2f}B" if label in fineweb else "-"
             left_out = f"x{result['left_out'][label]:.2f}" if label in result["left_out"] else "-"
-            lines.append(f"  {label:<34}{loss:>11.4f}{public:>16}{result['predicted'][label] / 1e9:>9.2f}B"
-                         f"{left_out:>10}")
+            lines.append(f"  {label:<34}{loss:>11.4f}{len(runs[label]):>5}{public:>16}"
+                         f"{result['predicted'][label] / 1e9:>9.2f}B{left_out:>10}")
+        spreads = {label: max(r) - min(r) for label, r in runs.items() if len(r) > 1}
+        if spreads:
+            widest = max(spreads, key=spreads.get)
+            lines.append(f"  runs of one label differ by up to {spreads[widest]:.4f} ({widest}): "
+                         f"x{math.exp(result['b'] * spreads[widest]):.2f} in FineWeb tokens by the fit")
     return "\n".join(lines)
 
 
-def plot(by_budget: dict[float, dict[str, float]], fineweb: dict[str, float], path: str):
-    """Public FineWeb tokens (log scale) against the proxy loss, a panel per budget: the records, the fit, and
-    where the fit puts the labels without FineWeb tokens (open markers)."""
+def plot(by_budget: dict[float, dict[str, list[float]]], fineweb: dict[str, float], path: str):
+    """Public FineWeb tokens (log scale) against the proxy loss, a panel per budget: the records (the mean of
+    their runs), the fit, and where the fit puts the labels without FineWeb tokens (open markers)."""
     need_package("matplotlib", "--plot")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
     fig, axes = plt.subplots(1, len(by_budget), figsize=(6 * len(by_budget), 4.5), squeeze=False)
-    for axis, (budget, losses) in zip(axes[0], sorted(by_budget.items())):
+    for axis, (budget, runs) in zip(axes[0], sorted(by_budget.items())):
+        losses = mean_losses(runs)
         result = calibration(losses, fineweb)
         line = sorted(losses.values())
         axis.plot(line, [math.exp(result["a"] + result["b"] * x) / 1e9 for x in line], color="gray", linewidth=1)
@@ -335,7 +353,8 @@ def plot(by_budget: dict[float, dict[str, float]], fineweb: dict[str, float], pa
             known = label in fineweb
             tokens = (fineweb[label] if known else result["predicted"][label]) / 1e9
             axis.plot(loss, tokens, "o", color="black" if known else "tab:red", fillstyle="full" if known else "none")
-            axis.annotate(label, (loss, tokens), fontsize=7, xytext=(4, 2), textcoords="offset points")
+            axis.annotate(label, (loss, tokens), fontsize=7, xytext=(4, 2 if known else -10),  # the fit's below
+                          textcoords="offset points", color="black" if known else "tab:red")
         axis.set_yscale("log")
         axis.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
         axis.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
@@ -368,7 +387,8 @@ def main(argv=None) -> int:
             one.add_argument("--work", required=True, help="runs go to WORK/<record>/<budget>/")
             one.add_argument("--gpu", type=int, default=None, help="CUDA_VISIBLE_DEVICES for the run")
     tab = sub.add_parser("table", help="the calibration table")
-    tab.add_argument("runs", nargs="+", help="LABEL=RUN_DIR; a label of `fineweb`'s output is a record")
+    tab.add_argument("runs", nargs="+", help="LABEL=RUN_DIR; a label of `fineweb`'s output is a record; a label "
+                     "given twice at one budget is the mean of its runs")
     tab.add_argument("--fineweb", required=True, help="the JSON `fineweb` printed")
     tab.add_argument("--plot", default=None, help="also draw FineWeb tokens against the proxy loss into this PNG")
     args = p.parse_args(argv)

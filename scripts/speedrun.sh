@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The main job: set up, download the FineWeb shards d12_fast reads, and train it until val loss <= 3.3821.
-# d12_fast's recipe (model_variants.RECIPES) is 16,000 steps of 65,536 tokens (1.05B tokens) plus up to 8,000
+# d12_fast's recipe (model_variants.RECIPES) is 10,000 steps of 65,536 tokens (0.66B tokens) plus up to 5,000
 # overtime steps at the final learning rate if the schedule ends above the target; the run stops at the first
 # evaluation at or under it, scored on rows of 4096 tokens of NoCap's validation tokens (NoCap's 1024-token rows
 # are scored and logged beside them). Extra flags are passed on (e.g. --batch_size 8 on a card with less memory:
-# two micro-batches, the same tokens per step and the same training); flags that lengthen the run read past the downloaded shards
-# (the trainer says so), so fetch more first: python data/fineweb.py -n N.
+# two micro-batches, the same tokens per step and the same training); flags that lengthen the run read past the
+# downloaded shards (the trainer says so), so fetch more first: python data/fineweb.py -n N.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh

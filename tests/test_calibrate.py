@@ -150,18 +150,34 @@ def test_the_fit_reads_fineweb_tokens_off_the_proxy_loss_with_its_error_left_out
         calibrate.calibration({"a": 4.0, "b": 4.2}, fineweb)
 
 
-def test_the_table_groups_runs_by_budget(tmp_path, capsys):
-    def run_dir(name, tokens, loss):
+def test_the_table_groups_runs_by_budget_and_averages_a_labels_seeds(tmp_path, capsys):
+    def run_dir(name, tokens, loss, label=None):
         path = tmp_path / name
         path.mkdir()
         (path / "metrics.jsonl").write_text(json.dumps(dict(step=1, tokens=tokens, val_loss=loss, train_time_s=1.0))
                                             + "\n")
-        return f"{name}={path}"
+        return f"{label or name}={path}"
     (tmp_path / "fineweb.json").write_text(json.dumps({f"r{i}": {"tokens": 1e9 * (i + 1)} for i in range(3)}))
-    runs = [run_dir(f"r{i}", 100_000_000, 4.0 + i / 10) for i in range(3)] + [run_dir("ours", 99_975_168, 3.95)]
+    runs = [run_dir(f"r{i}", 100_000_000, 4.0 + i / 10) for i in range(3)] + [run_dir("ours", 99_975_168, 3.95),
+                                                                               run_dir("ours_s1", 1e8, 3.85, "ours")]
     assert calibrate.main(["table", "--fineweb", str(tmp_path / "fineweb.json"), *runs,
                            "--plot", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
     assert out.startswith("100M tokens: log(FineWeb tokens) =") and "rank agreement (Spearman) 1.00" in out
     assert [line.split()[0] for line in out.splitlines()[2:6]] == ["ours", "r0", "r1", "r2"]  # by proxy loss
+    ours = out.splitlines()[2].split()
+    assert ours[1:3] == ["3.9000", "2"]  # the mean of its two seeds
+    # The fit is log(tokens) = log(1e9) + ... with slope ln(3) / 0.2 between r0 and r2: 0.1 apart is x3^0.5.
+    assert f"differ by up to 0.1000 (ours): x{math.sqrt(3):.2f} in FineWeb tokens" in out
+
+
+def test_the_glob_that_replaces_a_records_relative_only_one_reads_absolute_patterns(tmp_path):
+    # 2024-12-08 globs its shards with Path.cwd().glob, which refuses the proxy's absolute paths.
+    for name in ("mix_train_000002.bin", "mix_train_000001.bin", "other.bin"):
+        (tmp_path / name).write_bytes(b"")
+    edits = dict(calibrate.RECORDS["2024-12-08_UNetValueEmbedsTweaks"].edits)
+    edit = edits["sorted(Path.cwd().glob(filename_pattern))"]
+    from pathlib import Path
+    files = eval(edit, {"Path": Path, "filename_pattern": str(tmp_path / "mix_train_*.bin")})
+    assert files == [tmp_path / "mix_train_000001.bin", tmp_path / "mix_train_000002.bin"]

@@ -48,7 +48,7 @@ def test_budget_keeps_the_schedules_shape():
     spec, args = trainer_view("P100", "d12 --budget 25M")
     assert spec.steps == 191 == args["num_iterations"]  # 25M / 131,072
     assert (args["warmup_iters"], args["warmdown_iters"], args["val_loss_every"]) == (10, 41, 12)
-    # d12_fast's FineWeb recipe (16,000 steps, cooldown 16,000, momentum warmup 2,400, evaluation every 500) at
+    # d12_fast's FineWeb recipe (10,000 steps, cooldown 10,000, momentum warmup 1,500, evaluation every 312) at
     # a larger batch: the same fractions of a 76-step run.
     spec, args = trainer_view("P100", "big:d12_fast --budget 20M --total_batch_size 262144")
     assert (spec.name, spec.steps, spec.tokens_per_step) == ("big", 76, 262_144)
@@ -61,7 +61,7 @@ def test_d12_fasts_p100_form_is_its_recipe_at_20m_tokens():
     assert (spec.steps, spec.tokens_per_step) == (305, 65_536)
     assert (args["warmdown_iters"], args["muon_momentum_warmup"], args["val_loss_every"]) == (305, 46, 10)
     assert (args["window_start"], args["window_iters"]) == (64, 200)  # the measured window warmup: 64 -> 256 by 200
-    # The sampled softmax spans schedule and overtime (24,000 of 16,000 steps): cut to the run, it spans all of it.
+    # The sampled softmax spans schedule and overtime (15,000 of 10,000 steps): cut to the run, it spans all of it.
     assert (args["sampled_softmax"], args["sampled_softmax_iters"]) == (16384, 305)
     spec, _ = trainer_view("P100", "d12_fast --budget 40M")  # the spec's budget wins over the form's
     assert spec.steps == 610

@@ -43,7 +43,7 @@ def test_compare_sh_trains_each_model_and_compares(tmp_path):
 
 def test_compare_sh_defaults_to_d12_against_d12_fast_each_with_its_recipe(tmp_path):
     train_glob, val_glob = make_shards(tmp_path / "data")
-    # Four steps are too few for d12_fast's window warmup (the full window at its recipe's step 10,500): off.
+    # Four steps are too few for d12_fast's window warmup (the full window at its recipe's step 6,560): off.
     result = bash("scripts/compare.sh", "--", *TINY_FLAGS, "--window_start", "0", "--window_iters", "0",
                   "--n_layer", "2", "--n_embd", "32", "--n_head", "2",
                   "--input_bin", train_glob, "--input_val_bin", val_glob,

@@ -898,7 +898,7 @@ def test_help_gives_each_model_flag_its_meaning_and_the_chosen_variants_values(c
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert "--n_head N_HEAD attention heads (head_dim = n_embd / n_head) (d12_fast: 6)" in text
     assert "--mlp_act MLP_ACT the MLP's activation: gelu, relu2 (ReLU squared) or swiglu (d12_fast: 'relu2')" in text
-    assert "optimizer steps at most (default: 16000)" in text  # the recipe's, not NoCap's 4768
+    assert "optimizer steps at most (default: 10000)" in text  # the recipe's, not NoCap's 4768
     assert "override the variant" not in text and "(default: None)" not in text
     assert all(f.metadata.get("help") for f in config_fields())
     with pytest.raises(SystemExit):
@@ -923,7 +923,7 @@ def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
     shorter = parse_args(["--model", "d12_fast", "--sequence_length", "1024", "--batch_size", "32"])
     assert val_row_length(shorter) == 1024  # validated on the rows it trains on
     assert (fast.warmdown_iters, fast.num_iterations, fast.normuon_beta2, fast.cautious_weight_decay) == (
-        16000, 16000, 0.95, 1.2)
+        10000, 10000, 0.95, 1.2)
     # The sampled softmax spans the schedule and its overtime, so the run never switches softmax (one graph).
     assert (fast.sampled_softmax, fast.sampled_softmax_iters) == (16384, fast.num_iterations + fast.overtime_steps)
     assert (fast.sampled_softmax_draws, d12.sampled_softmax_draws) == ("frequency", "uniform")
