@@ -271,7 +271,8 @@ VARIANTS: dict[str, GPTConfig] = {
     # The user's plans' ideas and NoCap's own setup only (no part of the modded-nanogpt lineage): d12 with a
     # SwiGLU MLP; its recipe (RECIPES) brings the one-cycle learning rate and the sequence-length curriculum.
     "d12_nocap": replace(D12, mlp_act="swiglu"),
-    # The measured-best recipe: docs/RESULTS.md has a P100 or P40 row for every field and flag it changes.
+    # The measured-best recipe: each part's P100 measurement is in docs/RESULTS.md ("d12_fast's parts"; the
+    # older parts' P40 rows in the notebook at d81deca, docs/measurements/README.md).
     "d12_fast": replace(
         D12, n_head=6,  # head_dim 128
         # Tied: at the horizons measured the untied head's extra parameters cost more tokens than they earn.
@@ -308,7 +309,8 @@ RECIPES: dict[str, dict] = {
     # second half: a schedule longer than needed then crosses a target sooner, as the loss falls with the lr, for
     # ~1% more tokens where the schedule is the right length.
     # 65,536 tokens per step (one micro-batch of 16 rows of 4096): half the tokens of 262,144 to the same loss, for 2%
-    # fewer tokens/s. Muon's momentum warms up over the first 15% of the steps.
+    # fewer tokens/s. Muon's momentum warms up over the first 15% of the steps; evaluations every 312 steps
+    # (20.4M tokens), 32 a schedule.
     # muon_lr 0.03 and learning_rate 0.008 beat 1.5x up and down on P100; the other values follow the
     # modded-nanogpt lineage. The tied head trains in the head's group (learning_rate); embed_lr is the input
     # embedding's peak when it is untied.

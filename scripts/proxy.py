@@ -92,7 +92,7 @@ PROTOCOLS = {
                                 val_batch_size=16)}),
     "P100": Protocol(
         "P100", tuple(f"mix_train_00000{i}.bin" for i in range(1, 6)), (FWTEXTFIXER, FWLEGAL),
-        # d12@P100: 762 steps = 99.9M tokens at lr 1.2e-3, the best of 6e-4 / 1.2e-3 / 1.8e-3 (docs/RESULTS.md).
+        # d12@P100: 762 steps = 99.9M tokens at lr 1.2e-3, the best of 6e-4 / 1.2e-3 / 1.8e-3 (docs/BENCHMARKS.md).
         reference=reference_schedule(762, 1.2e-3),
         # d12_fast's FineWeb recipe re-sized to 20M tokens: it crosses d12@P100's final loss near 13M.
         # d12_nocap trains on d12@P100's schedule, its one-cycle rise and curriculum the same fractions of it as
