@@ -63,7 +63,6 @@ NOCAP_TARGET_VAL_LOSS = 3.3821
 NOCAP_VAL_TOKENS = 1_048_576  # fixed so that every run is scored on exactly the same tokens
 NOCAP_VAL_ROW = 1024  # NoCap's validation rows: 64 batches of 16 x 1024
 OPTIMIZERS = ("adamw", "adamw8bit", "lion", "muon")
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # torch.compile modes without CUDA graphs
 # --sampled_softmax_draws frequency counts tokens in this much of the training data's start by default (two P100
 # shards, part of one FineWeb shard): any token more frequent than one in a million is counted ~40 times. A fixed
 # amount, not whatever the shards present hold: the weights 1 + count smooth rare tokens by an amount that depends
@@ -129,9 +128,6 @@ def build_parser(model: str = "d12") -> argparse.ArgumentParser:
                    help="glob of validation shards; the first --val_tokens tokens of the first one are scored")
     g.add_argument("--val_tokens", type=int, default=NOCAP_VAL_TOKENS,
                    help="validation tokens per evaluation; keep the default to compare with NoCap-Test")
-    g.add_argument("--bos_align", type=_parse_bool, default=False,
-                   help="begin every training row at a document start (--doc_token), skipping the rest of a "
-                        "document cut at a row's end: more shards are read for the same training tokens")
 
     add_model_flags(p, model)
     p.add_argument("--list_models", action="store_true", help="print the registered variants and exit")
@@ -156,11 +152,6 @@ def build_parser(model: str = "d12") -> argparse.ArgumentParser:
                         "the number of processes); default 32, or derived from --total_batch_size")
     g.add_argument("--total_batch_size", type=int, default=None,
                    help="tokens per optimizer step; derives --grad_accumulation_steps")
-    g.add_argument("--batch_ramp_start", type=int, default=0,
-                   help="batch-size ramp: optimizer steps of this many tokens first (fewer micro-batches, each of "
-                        "the same shape), doubling in equal stages up to the full tokens per step at step "
-                        "--batch_ramp_iters. 0: off")
-    g.add_argument("--batch_ramp_iters", type=int, default=0, help="steps until the ramp reaches the full batch")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--num_iterations", type=int, default=4768, help="optimizer steps at most")
@@ -179,10 +170,6 @@ def build_parser(model: str = "d12") -> argparse.ArgumentParser:
     g.add_argument("--muon_momentum", type=float, default=0.95, help="Muon momentum (--optimizer muon)")
     g.add_argument("--muon_momentum_warmup", type=int, default=0,
                    help="raise Muon's momentum linearly from 0.85 to --muon_momentum over this many steps")
-    g.add_argument("--muon_orthogonalize", choices=("newton_schulz", "polar_express"), default="newton_schulz",
-                   help="how Muon orthogonalizes its update: newton_schulz, torch.optim.Muon's five iterations of "
-                        "one quintic; polar_express, five of Polar Express's quintics, one per iteration "
-                        "(Amsel et al. 2025), at the same cost")
     g.add_argument("--normuon_beta2", type=float, default=0.0,
                    help="NorMuon (Li et al. 2025): divide each row of Muon's orthogonalized update (each column "
                         "of a wide matrix) by the root of a running mean, with this decay, of its mean square, "
@@ -204,13 +191,6 @@ def build_parser(model: str = "d12") -> argparse.ArgumentParser:
                    help="LayerDrop: skip each block but the first with this probability at step 0, falling "
                         "linearly to 0 at step --layerdrop_iters (full depth after; never at evaluation)")
     g.add_argument("--layerdrop_iters", type=int, default=0, help="steps over which --layerdrop falls to 0")
-    g.add_argument("--extra_targets", type=int, default=0,
-                   help="parameter-free multi-token prediction: the head's logits at each position are also scored "
-                        "against the K tokens after the next, weighted 1/2, 1/4, ... in the training objective, "
-                        "each weight fading linearly to 0 over an equal share of the first --extra_targets_iters "
-                        "steps, the farthest target's first (evaluation scores the next token only). 0: off")
-    g.add_argument("--extra_targets_iters", type=int, default=0,
-                   help="steps until the extra targets' weights reach 0, e.g. two thirds of --num_iterations")
     g.add_argument("--sampled_softmax", type=int, default=0,
                    help="a training-only sampled softmax of K columns: for the first --sampled_softmax_iters "
                         "steps the head scores each micro-batch against every token that is one of its targets "
@@ -239,11 +219,6 @@ def build_parser(model: str = "d12") -> argparse.ArgumentParser:
     g.add_argument("--weight_decay", type=float, default=0.1,
                    help="decoupled weight decay of every parameter (--optimizer muon: but the gains and mixing "
                         "scalars, and of Muon's matrices only without --cautious_weight_decay)")
-    g.add_argument("--ema_decay", type=float, default=0.0,
-                   help="weight averaging: from step --ema_start on, keep an exponential moving average of the "
-                        "weights (this decay per step) and evaluate, stop on and save it. 0: off")
-    g.add_argument("--ema_start", type=int, default=0,
-                   help="the step the average starts from (the weights then), e.g. the cooldown's first")
     g.add_argument("--seed", type=int, default=0, help="seed for model init")
 
     g = p.add_argument_group("evaluation")
@@ -280,11 +255,6 @@ def build_parser(model: str = "d12") -> argparse.ArgumentParser:
                    help="let inductor launch independent small kernels of a graph as one (its horizontal fusion): "
                         "fewer launches where the host falls behind a fast GPU, as with the casts of every weight "
                         "at the start of a micro-batch (slower compile)")
-    g.add_argument("--compile_mode", choices=COMPILE_MODES, default="default",
-                   help="torch.compile's mode: max-autotune-no-cudagraphs benchmarks Triton templates against "
-                        "cuBLAS for every product and can fuse elementwise work into a product's epilogue (minutes "
-                        "more compile). The modes with CUDA graphs are not offered: the step keeps the GPU busy "
-                        "already, and its graphs change with the window and row-length schedules")
     g.add_argument("--save_every_minutes", type=float, default=30.0,
                    help="also checkpoint when this many minutes have passed since the last save, so a crash costs "
                         "at most that much (0: never by time)")
@@ -348,9 +318,6 @@ def check_run_flags(args):
         raise InputError(f"--lr_schedule one_cycle rises over --warmup_iters steps ({args.warmup_iters}): pass "
                          f"a number between 1 and --num_iterations {args.num_iterations} - 1")
     check_doubling_flags(args, "curriculum", "--sequence_length", args.sequence_length)
-    if args.bos_align and args.curriculum_start:
-        raise InputError(f"--bos_align with --curriculum_start {args.curriculum_start}: the curriculum cuts each "
-                         "row into shorter ones, which would not begin at documents; drop one of them")
     if not 0 <= args.layerdrop < 1:
         raise InputError(f"--layerdrop {args.layerdrop} is a probability: pass a number in [0, 1)")
     if (args.layerdrop > 0) != (args.layerdrop_iters > 0):
@@ -375,19 +342,6 @@ def check_run_flags(args):
     if not 0 <= args.cautious_weight_decay < math.inf:
         raise InputError(f"--cautious_weight_decay {args.cautious_weight_decay} must be a finite number >= 0 "
                          "(e.g. 1.2; 0: off)")
-    if args.extra_targets < 0:
-        raise InputError(f"--extra_targets {args.extra_targets}: pass how many tokens after the next to score too "
-                         "(e.g. 2), or 0 for none")
-    if (args.extra_targets > 0) != (args.extra_targets_iters > 0):
-        raise InputError("--extra_targets and --extra_targets_iters go together: the extra targets' weights fade "
-                         "to 0 over --extra_targets_iters steps; pass both (> 0) or neither")
-    if not 0 <= args.ema_decay < 1:
-        raise InputError(f"--ema_decay {args.ema_decay} must be in [0, 1) (e.g. 0.999; 0: no weight averaging)")
-    if args.ema_decay and not 0 <= args.ema_start < args.num_iterations:
-        raise InputError(f"--ema_start {args.ema_start}: pass a step from 0 to --num_iterations {args.num_iterations} "
-                         "- 1, so the average sees training")
-    if args.ema_start and not args.ema_decay:
-        raise InputError(f"--ema_start {args.ema_start} needs --ema_decay (the average's decay per step)")
     if args.log_wandb:  # on every rank, before any waits for others
         need_package("wandb", "--log_wandb")
     if overtime_applies(args) and args.lr_floor == 0:
@@ -413,14 +367,6 @@ def check_doubling_flags(args, name: str, end_flag: str, end: int):
     if not 0 < iters <= args.num_iterations:
         raise InputError(f"--{name}_iters {iters}: pass the step (1 to --num_iterations {args.num_iterations}) "
                          f"at which the schedule reaches {end_flag}")
-
-
-def check_batch_ramp(args, accumulation: int, micro_tokens: int):
-    """The ramp's first stage must be whole micro-batches (of micro_tokens over all processes)."""
-    check_doubling_flags(args, "batch_ramp", "the tokens per step", accumulation * micro_tokens)
-    if args.batch_ramp_start % micro_tokens:
-        raise InputError(f"--batch_ramp_start {args.batch_ramp_start} is not a whole number of micro-batches of "
-                         f"{micro_tokens} tokens (batch_size x sequence_length x processes); pick a multiple")
 
 
 def check_sampled_softmax(args, config: GPTConfig):
@@ -1095,31 +1041,23 @@ class GPT(nn.Module):
             logits = cap * torch.tanh(logits.float() / cap)
         return logits
 
-    def head_loss(self, h: torch.Tensor, targets: torch.Tensor, extra_weights: torch.Tensor | None = None,
-                  logits: torch.Tensor | None = None, sample: SoftmaxSample | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor, logits: torch.Tensor | None = None,
+                  sample: SoftmaxSample | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean cross-entropy of the head over hidden states h (B, T, n_embd) against targets (B, T), -1
-        ignored. With extra_weights (K,), the same logits are also scored against the K tokens after each
-        target (parameter-free multi-token prediction: position t against tokens t+2 .. t+1+K, where the row
-        has them). Returns (objective, means): means (1 + K,) holds each target's mean loss, detached, and the
-        objective is the next-token mean plus extra_weights[k-1] times the k-th extra mean.
+        ignored. Returns (loss, means): means (1,) is the loss, detached.
         With a sample, the softmax is over its columns only (sampled_softmax_columns; the logits at hand are
-        the full softmax's, so they go unused), and the means are that softmax's estimates; a sample of
-        several groups splits the positions, in order, into that many equal runs and averages their losses.
+        the full softmax's, so they go unused), and the loss is that softmax's estimate; a sample of several
+        groups splits the positions, in order, into that many equal runs and averages their losses.
         A pass that builds a gradient takes HeadCrossEntropy under fused_head_loss (the same math, fewer passes
         over the logits; in training, its logits product in FP8 where fp8_head asks for it), unless the
         logits are at hand."""
-        n_extra = 0 if extra_weights is None else extra_weights.numel()
-        # Column k: the target k tokens further on, -1 where the row ends first.
-        stacked = torch.stack([F.pad(targets[:, k:], (0, k), value=-1) for k in range(n_extra + 1)], dim=-1)
+        stacked = targets.unsqueeze(-1)  # HeadCrossEntropy's targets per position: one column
         weights = torch.ones(1, device=h.device)
-        if n_extra:
-            weights = torch.cat([weights, extra_weights.to(weights.dtype)])
         if sample is not None and sample.draws.dim() == 2:  # groups of positions, each with its own columns
             groups = sample.draws.size(0)
             terms = [self.head_loss_of_targets(h_group, stacked_group, weights, None, sample._replace(draws=draws))
                      for h_group, stacked_group, draws in zip(h.reshape(groups, -1, h.size(-1)),
-                                                              stacked.reshape(groups, -1, n_extra + 1), sample.draws)]
+                                                              stacked.reshape(groups, -1, 1), sample.draws)]
             objectives, means = zip(*terms)
             return torch.stack(objectives).mean(), torch.stack(means).mean(dim=0)
         return self.head_loss_of_targets(h, stacked, weights, logits, sample)
@@ -1148,11 +1086,10 @@ class GPT(nn.Module):
         return (weights * means).sum(), means.detach()
 
     def forward(self, idx, targets=None, return_logits=True, cache: KVCache | None = None,
-                drop_blocks: tuple[int, ...] = (), local_window: int = 0,
-                extra_target_weights: torch.Tensor | None = None, sampled_softmax: SoftmaxSample | None = None):
+                drop_blocks: tuple[int, ...] = (), local_window: int = 0, sampled_softmax: SoftmaxSample | None = None):
         """idx, targets: (B, T) token ids. Returns (logits or None, loss or None, aux). The loss is the
-        next-token cross-entropy in eval mode and the training objective (plus weighted extra-target, MTP
-        and MoE terms; extra_target_weights: see head_loss) in training mode; `aux` holds the terms
+        next-token cross-entropy in eval mode and the training objective (plus weighted MTP and MoE terms)
+        in training mode; `aux` holds the terms
         (detached) for logging, empty in eval mode.
         With a KV cache, idx continues the cached sequence (decoding). In training mode the blocks in
         drop_blocks pass the stream through unchanged (LayerDrop); in eval mode every block runs. A
@@ -1216,14 +1153,12 @@ class GPT(nn.Module):
             return self.logits(h[:, [-1], :]), None, aux  # inference: only the last position
         logits = self.logits(h) if return_logits else None  # (B, T, vocab)
         if self.training:
-            loss, target_means = self.head_loss(h, targets, extra_target_weights, logits, sampled_softmax)
+            loss, target_means = self.head_loss(h, targets, logits, sampled_softmax)
         else:
             loss, target_means = self.head_loss(h, targets, logits=logits)
         if self.training:
             objective = loss
             aux["next_token_loss"] = target_means[0]
-            for k, mean in enumerate(target_means[1:], start=1):
-                aux[f"extra_target_loss_{k}"] = mean
             if c.mtp_k:
                 mtp_losses = []
                 for j, proj in enumerate(self.mtp_proj, start=1):
@@ -1359,7 +1294,7 @@ class HeadCrossEntropy(torch.autograd.Function):
     backward); here the forward also runs the two products that carry that gradient back to h and w, and
     keeps only their (N, d) and (V, d) results for the backward, which scales them. Products in `dtype` (bf16 under
     autocast), the softmax in at least fp32. Shapes: h (N, d), w (V, d), targets (N, M): M targets per
-    position scored against the same logits (GPT.head_loss's extra targets), weights (M,), and bias (V,) or
+    position scored against the same logits (GPT.head_loss passes one), weights (M,), and bias (V,) or
     None: a constant added to each column's softcapped logit (GPT.head_loss's sampled softmax).
 
     Returns (objective, means): means (M,) is each target's mean loss over the positions that have it (not
@@ -1655,70 +1590,6 @@ class TokenLoader:
         return batch
 
 
-class AlignedTokenLoader(TokenLoader):
-    """TokenLoader whose rows each begin at a document's first token (bos_token: FineWeb's <|endoftext|>), so no
-    row opens in the middle of a document without its beginning. A row is the T + 1 tokens from a document
-    start, the documents packed as they lie in the shard; the rest of the document cut at its end is skipped,
-    and the next row begins at the document after it. A round is world_size * B such rows, rank r taking rows
-    r*B ... (r+1)*B - 1, and a shard is left when the next round would not fit. The position is the round's
-    first row, so `skip` replays the walk from the shards' document starts."""
-
-    def __init__(self, pattern: str, B: int, T: int, rank: int, world_size: int, vocab_size: int,
-                 device: torch.device, bos_token: int, flag: str = "--input_bin"):
-        self.bos_token, self._starts_of = bos_token, (None, None)
-        super().__init__(pattern, B, T, rank, world_size, vocab_size, device, flag)
-
-    def _check_room(self, shard: int):
-        rows, round_rows = len(self.row_starts(shard, self.world_size * self.B)), self.world_size * self.B
-        if rows < round_rows:
-            raise InputError(f"{self.files[shard]}: only {rows:,} rows of {self.T + 1:,} tokens begin at a document "
-                             f"start (token {self.bos_token}), fewer than one batch round (world_size*B = "
-                             f"{round_rows}); lower --batch_size or --sequence_length, or drop --bos_align")
-
-    def _document_starts(self, shard: int) -> tuple[np.ndarray, np.ndarray]:
-        """The shard's document starts, and for each the index of the start where a row beginning there is
-        followed by the next row (len(starts): none is left). Kept for one shard at a time."""
-        if self._starts_of[0] != shard:
-            tokens = np.memmap(self.files[shard], np.uint16, "r", HEADER_BYTES, (self.shard_tokens[shard],))
-            starts = np.flatnonzero(tokens == self.bos_token)
-            self._starts_of = shard, (starts, np.searchsorted(starts, starts + self.T))
-        return self._starts_of[1]
-
-    def row_starts(self, shard: int, n: int, position: int = 0) -> np.ndarray:
-        """Up to n row starts in a shard, the first at the first document start at or after `position`."""
-        starts, following = self._document_starts(shard)
-        i, rows = int(np.searchsorted(starts, position)), []
-        while len(rows) < n and i < len(starts) and starts[i] + self.T + 1 <= self.shard_tokens[shard]:
-            rows.append(starts[i])
-            i = following[i]
-        return np.array(rows, dtype=np.int64)
-
-    def _first_position(self, shard: int) -> int:
-        return int(self.row_starts(shard, 1)[0])
-
-    def _advance(self, shard: int, position: int) -> tuple[int, int]:
-        rounds = self.row_starts(shard, 2 * self.world_size * self.B, position)
-        if len(rounds) == 2 * self.world_size * self.B:  # the next round fits too
-            return shard, int(rounds[self.world_size * self.B])
-        shard = (shard + 1) % len(self.files)
-        return shard, self._first_position(shard)
-
-    def _rows(self, starts: np.ndarray, length: int) -> np.ndarray:
-        return np.stack([self.tokens[s: s + length] for s in starts])
-
-    def _read_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        mine = self.row_starts(self.shard, self.world_size * self.B, self.position)[self.rank * self.B:][:self.B]
-        rows = tokens_to_device(self._rows(mine, self.T + 1), self.device)
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-
-    def sample_rows(self, n: int) -> torch.Tensor:
-        return torch.from_numpy(self._rows(self.row_starts(self.shard, n), self.T).astype(np.int64))
-
-    def trained_fraction(self, shard: int = 0) -> float:
-        """The share of a shard's tokens that its rows hold: the rest are the skipped ends of cut documents."""
-        return len(self.row_starts(shard, self.shard_tokens[shard])) * self.T / self.shard_tokens[shard]
-
-
 class ValidationSet:
     """The first `val_tokens` (+1 for the last target) tokens of the first validation shard, cut into
     batches of `val_batch_size` rows of T tokens, batch k of rank r at offset (k*world + r)*B*T: exactly
@@ -1841,24 +1712,22 @@ class BatchedMuon(torch.optim.Muon):
     matrices that is ~1,000 kernel launches and 27.6 ms per optimizer step on an H100, with the GPU mostly
     waiting on the host. Stacked by shape, Newton-Schulz is 15 batched matmuls per shape.
 
-    Three refinements of the update, all off by default: `polar_express` orthogonalizes with Polar Express's
-    per-iteration quintics, `normuon_beta2` > 0 evens out the update's rows (NorMuon, `normuon_scale`),
-    keeping one running mean square per row in the state as "second_moment", and `cautious` makes the weight
-    decay cautious (`muon_update`).
+    Two refinements of the update, both off by default: `normuon_beta2` > 0 evens out the update's rows (NorMuon,
+    `normuon_scale`), keeping one running mean square per row in the state as "second_moment", and `cautious`
+    makes the weight decay cautious (`muon_update`).
 
-    With `compile_options` (torch.compile's keyword arguments), each shape's update is one compiled graph
-    (`muon_update`): eager, the momentum, the Nesterov mix, the stack, the casts and the step each pass over the
-    weights; compiled, they fuse into a few kernels around Newton-Schulz's matmuls. A step in which some matrix
+    Compiled, each shape's update is one graph (`muon_update`): eager, the momentum, the Nesterov mix, the stack,
+    the casts and the step each pass over the weights; compiled, they fuse into a few kernels around
+    Newton-Schulz's matmuls. A step in which some matrix
     of a shape has no gradient (LayerDrop) updates that shape eagerly: each such subset would be a graph of its
     own. The state (a momentum_buffer per parameter, with NorMuon a second_moment) and the checkpoints are
     torch.optim.Muon's."""
 
-    def __init__(self, params, *args, compile_options: dict | None = None, polar_express: bool = False,
-                 normuon_beta2: float = 0.0, cautious: bool = False, **kwargs):
+    def __init__(self, params, *args, compiled: bool = False, normuon_beta2: float = 0.0, cautious: bool = False,
+                 **kwargs):
         super().__init__(params, *args, **kwargs)
-        self.polar_express, self.normuon_beta2, self.cautious = polar_express, normuon_beta2, cautious
-        self.compiled_update = None if compile_options is None else torch.compile(
-            muon_update, fullgraph=True, dynamic=False, **compile_options)
+        self.normuon_beta2, self.cautious = normuon_beta2, cautious
+        self.compiled_update = torch.compile(muon_update, fullgraph=True, dynamic=False) if compiled else None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -1867,10 +1736,7 @@ class BatchedMuon(torch.optim.Muon):
             if group["adjust_lr_fn"] not in (None, "original"):
                 raise ValueError(f"BatchedMuon: adjust_lr_fn={group['adjust_lr_fn']!r} is not supported")
             lr, decay = float(group["lr"]), group["weight_decay"]
-            if self.polar_express:
-                coefficients, margin = POLAR_EXPRESS[:group["ns_steps"]], POLAR_EXPRESS_MARGIN
-            else:
-                coefficients, margin = (tuple(group["ns_coefficients"]),) * group["ns_steps"], 1.0
+            coefficients = tuple(group["ns_coefficients"])
             by_shape: dict[torch.Size, list[nn.Parameter]] = {}
             for p in group["params"]:
                 by_shape.setdefault(p.shape, []).append(p)
@@ -1893,15 +1759,14 @@ class BatchedMuon(torch.optim.Muon):
                 whole = len(params) == len(shaped)
                 update = self.compiled_update if whole and self.compiled_update is not None else muon_update
                 update(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params], hyper,
-                       group["nesterov"], coefficients, margin, group["eps"], second_moments, self.normuon_beta2,
-                       self.cautious)
+                       group["nesterov"], coefficients, group["ns_steps"], group["eps"], second_moments,
+                       self.normuon_beta2, self.cautious)
         return loss
 
 
 def muon_update(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor],
-                hyper: torch.Tensor, nesterov: bool, coefficients: tuple[tuple[float, float, float], ...],
-                margin: float, eps: float, second_moments: list[torch.Tensor] | None, beta2: float,
-                cautious: bool = False):
+                hyper: torch.Tensor, nesterov: bool, coefficients: tuple[float, float, float], steps: int,
+                eps: float, second_moments: list[torch.Tensor] | None, beta2: float, cautious: bool = False):
     """One Muon step of same-shaped matrices, in place: each momentum buffer moves toward its gradient, the
     update (Nesterov's mix of gradient and buffer, or the buffer) is orthogonalized, with NorMuon's row scaling
     when second_moments are given, and each matrix becomes keep * p - step_size * update. hyper holds
@@ -1916,7 +1781,7 @@ def muon_update(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: 
     for g, m in zip(grads, buffers):
         m.lerp_(g, 1 - momentum)
         updates.append(g.lerp(m, momentum) if nesterov else m)
-    ortho = newton_schulz(torch.stack(updates), coefficients, margin, eps)
+    ortho = newton_schulz(torch.stack(updates), coefficients, steps, eps)
     if second_moments is not None:
         ortho = normuon_scale(ortho, second_moments, beta2)
     for p, o in zip(params, ortho.unbind(0)):
@@ -1975,32 +1840,22 @@ class Lion(torch.optim.Optimizer):
         return loss
 
 
-# Polar Express (Amsel, Persson, Musco, Gower 2025): a quintic of its own for each iteration, each chosen so the
-# singular values end as close to 1 as possible in the worst case, after the input is scaled to spectral norm
-# <= 1/MARGIN: the margin keeps bf16 rounding from pushing a singular value past the range they were fit on.
-POLAR_EXPRESS = ((8.156554524902461, -22.48329292557795, 15.878769915207462),
-                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323))
-POLAR_EXPRESS_MARGIN = 1.02
-
-
-def newton_schulz(updates: torch.Tensor, coefficients: tuple[tuple[float, float, float], ...], margin: float,
+def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
                   eps: float) -> torch.Tensor:
     """Approximately orthogonalize each matrix of a stack (n, rows, cols) in bf16: scale it to spectral norm
-    <= 1/margin, then for each (a, b, c) of coefficients iterate the quintic X <- aX + (bA + cA^2)X, A = XX^T,
-    on the wide orientation (A is the smaller Gram matrix). torch.optim.Muon's iteration, batched, when every
-    step has its (a, b, c) and margin is 1. The two symmetric products run in kernels.symmetric_product, which
-    computes half of each on H100-class GPUs, and aX + BX in kernels.product_plus."""
+    <= 1, then iterate the quintic X <- aX + (bA + cA^2)X, A = XX^T, with coefficients (a, b, c), `steps` times,
+    on the wide orientation (A is the smaller Gram matrix): torch.optim.Muon's iteration, batched. The two
+    symmetric products run in kernels.symmetric_product, which computes half of each on H100-class GPUs, and
+    aX + BX in kernels.product_plus."""
     x = updates.bfloat16()
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
     # Row-major, as the kernels take it: a tall stack's wide view is column-major, which also costs cuBLAS's
     # batched product more than twice the time of a row-major one.
-    x = (x / (x.norm(dim=(-2, -1), keepdim=True) * margin).clamp(min=eps)).contiguous()
-    for a, b, c in coefficients:
+    x = (x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)).contiguous()
+    a, b, c = coefficients
+    for _ in range(steps):
         gram = kernels.symmetric_product(x)
         # bA + cA^2 is bA + cAA^T for the symmetric A, so the symmetric product serves again
         x = kernels.product_plus(kernels.symmetric_product(gram, alpha=c, beta=b), x, beta=a)
@@ -2032,9 +1887,8 @@ def attention_gates(model: GPT) -> list[nn.Parameter]:
     return [block.attn.gate.weight for block in model.transformer.h if block.attn.gate is not None]
 
 
-def make_optimizer(model: GPT, args, device: torch.device, compile_options: dict | None = None) -> Optimizers:
-    """The optimizers of args.optimizer; with compile_options (torch.compile's keyword arguments) Muon's update
-    is compiled too."""
+def make_optimizer(model: GPT, args, device: torch.device, compiled: bool = False) -> Optimizers:
+    """The optimizers of args.optimizer; compiled: Muon's update is compiled too."""
     adamw = dict(betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
     if args.optimizer == "adamw":
         # NoCap: one AdamW group over every parameter, weight decay included on embeddings.
@@ -2067,52 +1921,9 @@ def make_optimizer(model: GPT, args, device: torch.device, compile_options: dict
     return Optimizers([
         BatchedMuon(hidden, lr=args.muon_lr, momentum=args.muon_momentum,
                     weight_decay=args.cautious_weight_decay or args.weight_decay,
-                    cautious=args.cautious_weight_decay > 0, compile_options=compile_options,
-                    polar_express=args.muon_orthogonalize == "polar_express", normuon_beta2=args.normuon_beta2),
+                    cautious=args.cautious_weight_decay > 0, compiled=compiled, normuon_beta2=args.normuon_beta2),
         torch.optim.AdamW([g for g in groups if g["params"]], **adamw),
     ])
-
-
-class WeightAverage:
-    """An exponential moving average of the weights (--ema_decay): it begins as the weights after step `start`
-    and after each later step moves toward them by 1 - decay. Evaluations use it in their place (`applied`),
-    so the run stops on the average's loss, and checkpoints hold it beside the weights (`average`)."""
-
-    def __init__(self, model: GPT, decay: float, start: int):
-        self.names, self.params = zip(*model.named_parameters())
-        self.decay, self.start = decay, start
-        self.tensors: list[torch.Tensor] | None = None  # fp32, from step `start` on
-
-    def observe(self, step: int):
-        """Fold in the weights after `step` optimizer steps."""
-        if step < self.start:
-            return
-        weights = [p.detach().float() for p in self.params]
-        if step == self.start:
-            self.tensors = [w.clone() for w in weights]
-        else:
-            torch._foreach_lerp_(self.tensors, weights, 1 - self.decay)
-
-    @contextlib.contextmanager
-    def applied(self):
-        """The model holds the average inside the block (nothing changes before its first step)."""
-        if self.tensors is None:
-            yield
-            return
-        kept = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            torch._foreach_copy_(list(self.params), self.tensors)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                torch._foreach_copy_(list(self.params), kept)
-
-    def state_dict(self) -> dict[str, torch.Tensor] | None:
-        return None if self.tensors is None else dict(zip(self.names, self.tensors))
-
-    def load_state_dict(self, state: dict[str, torch.Tensor] | None):
-        self.tensors = None if state is None else [state[n].to(p.device) for n, p in zip(self.names, self.params)]
 
 
 def muon_momentum_at(step: int, args) -> float:
@@ -2157,26 +1968,6 @@ def doubling_at(step: int, start: int, end: int, iters: int) -> int:
 def row_length_at(step: int, args) -> int:
     """Training row length at `step` under the curriculum (--curriculum_start up to --sequence_length)."""
     return doubling_at(step, args.curriculum_start, args.sequence_length, args.curriculum_iters)
-
-
-def accumulation_at(step: int, args, accumulation: int, micro_tokens: int) -> int:
-    """Micro-batches per process at `step` under the batch ramp (--batch_ramp_start tokens up to the run's
-    full `accumulation`); micro_tokens: one micro-batch's tokens over all processes."""
-    return doubling_at(step, args.batch_ramp_start // micro_tokens, accumulation, args.batch_ramp_iters)
-
-
-def tokens_through(step: int, args, accumulation: int, micro_tokens: int) -> int:
-    """Training tokens of the first `step` steps over all processes: the sum of accumulation_at, in closed form
-    (stage k of the ramp holds the steps s with k <= s * stages / iters < k + 1)."""
-    start, iters = args.batch_ramp_start // micro_tokens, args.batch_ramp_iters
-    if not start:
-        return step * accumulation * micro_tokens
-    stages = (accumulation // start).bit_length() - 1
-    ramp_steps, micro_batches = min(step, iters), 0
-    for k in range(stages):
-        first, end = -(-k * iters // stages), -(-(k + 1) * iters // stages)
-        micro_batches += (start << k) * max(0, min(end, ramp_steps) - first)
-    return (micro_batches + accumulation * max(0, step - iters)) * micro_tokens
 
 
 def local_window_at(step: int, args, config: GPTConfig) -> int:
@@ -2233,14 +2024,6 @@ def layerdrop_at(step: int, args) -> float:
         return 0.0
     return args.layerdrop * (1 - step / args.layerdrop_iters)
 
-
-def extra_target_weights_at(step: int, args) -> list[float]:
-    """The weights of the --extra_targets at `step`: target k (k tokens after the next) starts at 2^-k and fades
-    linearly to 0 over the (K - k + 1)-th of K equal shares of --extra_targets_iters, so the farthest target
-    fades first and the nearest last, leaving next-token prediction alone from --extra_targets_iters on."""
-    K = args.extra_targets
-    share = args.extra_targets_iters / K
-    return [2.0 ** -k * min(1.0, max(0.0, 1 - (step - (K - k) * share) / share)) for k in range(1, K + 1)]
 
 
 def blocks_to_drop(step: int, micro_step: int, args, n_layer: int) -> tuple[int, ...]:
@@ -2339,16 +2122,14 @@ class StepMeter:
             return None  # a GPU without a known peak: n/a, never a guess
         return self.flops_token(rows, local_window, head_columns) * tokens_per_s / (self.peak * self.world_size)
 
-    def step(self, seconds: float, tokens: int, rows: int, local_window: int,
+    def step(self, seconds: float, rows: int, local_window: int,
              head_columns: int = 0) -> tuple[float, float | None]:
-        """Record one step's time and tokens; its tokens/s and MFU. Full steps make the steady median and the
-        eta: the batch ramp's smaller ones aside."""
-        tokens_per_s = tokens / seconds
+        """Record one step's time; its tokens/s and MFU."""
+        tokens_per_s = self.tokens_per_step / seconds
         mfu = self.mfu(tokens_per_s, rows, local_window, head_columns)
-        if tokens == self.tokens_per_step:
-            self.step_seconds.append(seconds)
-            if mfu is not None:
-                self.step_mfus.append(mfu)
+        self.step_seconds.append(seconds)
+        if mfu is not None:
+            self.step_mfus.append(mfu)
         return tokens_per_s, mfu
 
     def peak_mem_mib(self) -> float | None:
@@ -2662,18 +2443,12 @@ def load_checkpoint(path: str, expected: dict, flag: str = "--resume") -> dict:
 
 
 def model_from_checkpoint(path: str, device: torch.device, flag: str = "--checkpoint") -> tuple[GPT, dict]:
-    """The model a checkpoint holds (any variant: its config travels with it; the weights' average where the
-    run kept one, since that is what it evaluated), and the checkpoint."""
+    """The model a checkpoint holds (any variant: its config travels with it), and the checkpoint."""
     ckpt = load_checkpoint(path, expected={}, flag=flag)
     # Evaluation runs the MLP's exact products whatever fp8_mlp trained with: the plain Linear does so
     # without torchao.
     model = GPT(GPTConfig(**{**ckpt["model_config"], "fp8_mlp": False}))
     model.load_state_dict(ckpt["model"])
-    if ckpt.get("average") is not None:  # the run evaluated its average of the weights: that is its model
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in ckpt["average"].items():
-                params[name].copy_(tensor)
     return model.to(device), ckpt
 
 
@@ -2882,7 +2657,6 @@ class Run:
     accumulation: int  # micro-batches per optimizer step on this process
     layout: dict  # what a checkpoint must match to be resumed here
     compiled: bool
-    average: WeightAverage | None  # --ema_decay's average of the weights; None without it
     # Set once the checkpoint is loaded (DDP takes rank 0's weights when it wraps the model):
     model: nn.Module | None = None  # what trains: raw_model compiled and/or wrapped in DDP
     eval_model: nn.Module | None = None  # what evaluates: model, or raw_model where the evaluation cannot compile
@@ -2902,14 +2676,11 @@ class Run:
 
     @property
     def tokens_per_step(self) -> int:
-        """A full step's tokens (the batch ramp's early steps hold fewer)."""
         return self.micro_tokens * self.accumulation
 
-    def accumulation_at(self, step: int) -> int:
-        return accumulation_at(step, self.args, self.accumulation, self.micro_tokens)
-
     def tokens_through(self, step: int) -> int:
-        return tokens_through(step, self.args, self.accumulation, self.micro_tokens)
+        """Training tokens of the first `step` steps over all processes."""
+        return step * self.tokens_per_step
 
 
 def report_sampled_softmax(args, config: GPTConfig, loader: TokenLoader, log: RunLog):
@@ -2949,7 +2720,6 @@ def setup_run(args) -> Run:
     check_sampled_softmax(args, config)
     env = setup_distributed(args.device)
     accumulation = resolve_grad_accumulation(args, env.world_size)
-    check_batch_ramp(args, accumulation, args.batch_size * args.sequence_length * env.world_size)
     check_device_fit(args, config, env)
     cap_gpu_memory(args, env)
     run_dir = run_dir_path(args)
@@ -2980,11 +2750,7 @@ def open_data(args, config: GPTConfig, env: Distributed) -> tuple[TokenLoader, V
     """The training loader, the validation rows, and (where those are longer) the same tokens in NoCap's
     1024-token rows: NoCap scores 1024-token rows, longer ones give most tokens more context, both are reported."""
     B, T = args.batch_size, args.sequence_length
-    if args.bos_align:
-        train_loader = AlignedTokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size,
-                                          env.device, config.doc_token)
-    else:
-        train_loader = TokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
+    train_loader = TokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
     val = ValidationSet(args.input_val_bin, args.val_tokens, args.val_batch_size, val_row_length(args), env.rank,
                         env.world_size, config.vocab_size, env.device)
     nocap_val = None
@@ -3004,11 +2770,9 @@ class Resumed(NamedTuple):
 
 
 def resume_from(path: str, run: Run) -> Resumed:
-    """Load the checkpoint at `path` into the run's model, optimizer, average, RNG and data position."""
+    """Load the checkpoint at `path` into the run's model, optimizer, RNG and data position."""
     ckpt = load_checkpoint(path, run.layout)
     run.raw_model.load_state_dict(ckpt["model"])
-    if run.average is not None:
-        run.average.load_state_dict(ckpt["average"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
     torch.set_rng_state(ckpt["rng_cpu"])
     if run.env.device.type == "cuda" and ckpt["rng_cuda"] is not None:
@@ -3028,20 +2792,19 @@ def resume_from(path: str, run: Run) -> Resumed:
     return Resumed(step, ckpt["train_time_s"], evaluation, records)
 
 
-def compile_model(args, env: Distributed, raw_model: GPT, compile_options: dict | None) -> nn.Module:
-    """What trains: raw_model compiled (compile_options not None) and/or wrapped in DDP."""
+def compile_model(args, env: Distributed, raw_model: GPT, compiled: bool) -> nn.Module:
+    """What trains: raw_model compiled and/or wrapped in DDP."""
     model = raw_model
-    if compile_options is not None and args.layerdrop:
+    if compiled and args.layerdrop:
         # Which blocks run changes with every micro-batch: compiled whole, each new set would be a new graph.
         # Each block is compiled on its own instead, and the loop over them stays eager. So is the head's loss:
         # eager, it would hold a micro-batch's logits in fp32 several times over.
         for block in raw_model.transformer.h:
-            block.compile(dynamic=False, **compile_options)
-        raw_model.head_loss = torch.compile(raw_model.head_loss, dynamic=False, **compile_options)
-    elif compile_options is not None:
+            block.compile(dynamic=False)
+        raw_model.head_loss = torch.compile(raw_model.head_loss, dynamic=False)
+    elif compiled:
         # A graph per row length and window: their few stages are known, and static shapes compile best.
-        model = torch.compile(raw_model, dynamic=False if args.curriculum_start or args.window_start else None,
-                              **compile_options)
+        model = torch.compile(raw_model, dynamic=False if args.curriculum_start or args.window_start else None)
     if env.world_size > 1:
         # A skipped block's parameters get no gradient in that micro-batch: DDP must look for them.
         model = nn.parallel.DistributedDataParallel(
@@ -3061,24 +2824,22 @@ def build_run(args, config: GPTConfig, env: Distributed, accumulation: int, run_
     torch.manual_seed(args.seed)
     raw_model = GPT(config).to(env.device)
     compiled = env.device.type == "cuda" if args.compile is None else args.compile
-    compile_options = (configure_compile(args.coordinate_descent_tuning, args.combo_kernels, args.compile_mode)
-                       if compiled else None)
+    if compiled:
+        configure_compile(args.coordinate_descent_tuning, args.combo_kernels)
     # What fixes the data walk, and what the evaluated model is.
     layout = dict(model_config=asdict(config), batch_size=args.batch_size, sequence_length=args.sequence_length,
-                  world_size=env.world_size, grad_accumulation_steps=accumulation, bos_align=args.bos_align,
-                  ema=(args.ema_decay, args.ema_start) if args.ema_decay else None)
+                  world_size=env.world_size, grad_accumulation_steps=accumulation)
     run = Run(args=args, env=env, config=config, run_dir=run_dir, raw_model=raw_model,
-              optimizer=make_optimizer(raw_model, args, env.device, compile_options), train_loader=train_loader,
+              optimizer=make_optimizer(raw_model, args, env.device, compiled), train_loader=train_loader,
               val=val, nocap_val=nocap_val, accumulation=accumulation, layout=layout, compiled=compiled,
               # NoCap: bf16 autocast on CUDA; CPU runs stay in fp32 so tests are exact.
               autocast_ctx=precision(env.device, "bf16" if env.device.type == "cuda" else "fp32"),
-              average=WeightAverage(raw_model, args.ema_decay, args.ema_start) if args.ema_decay else None,
               draw_log_weights=draw_log_weights(args, train_loader), claim=claim)
     resumed = resume_from(ckpt_path, run) if ckpt_path is not None else Resumed()
     run.start_step, run.train_time_s, run.resumed_evaluation = resumed.step, resumed.train_time_s, resumed.evaluation
     if env.is_main:  # every input is checked: the run directory may change now
         repair_run_dir(run_dir, restart=args.resume == "auto" and ckpt_path is None)
-    run.model = compile_model(args, env, raw_model, compile_options)
+    run.model = compile_model(args, env, raw_model, compiled)
     run.eval_model = run.model if evaluation_compiles(config, args.val_dtype) else raw_model
     run.resumed_from = ckpt_path
     wandb_run = None
@@ -3106,25 +2867,18 @@ def describe_run(run: Run):
                   f"{run.run_dir}")
     if args.sampled_softmax:
         report_sampled_softmax(args, config, loader, run.log)
-    if args.bos_align:
-        run.log.print(f"rows begin at documents: {loader.trained_fraction():.0%} of the first shard's tokens are "
-                      "trained on, the rest are the skipped ends of cut documents")
 
 
 def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
     """Optimizer step number step + 1 over the run's micro-batches at `scale` × each group's peak learning rate,
-    with the batch ramp's micro-batches, the curriculum's row length, the window warmup's local window, the
-    extra targets' weights, the sampled softmax and LayerDrop's skipped blocks for that step. Returns the mean
-    next-token loss (a device tensor) and the mean of each auxiliary term the model reports (extra-target and
-    MTP losses, MoE balance and load)."""
+    with the curriculum's row length, the window warmup's local window, the
+    sampled softmax and LayerDrop's skipped blocks for that step. Returns the mean next-token loss (a device
+    tensor) and the mean of each auxiliary term the model reports (MTP losses, MoE balance and load)."""
     step_loss = torch.zeros((), device=run.env.device)
     aux_means: dict[str, torch.Tensor] = {}
     rows = row_length_at(step, run.args)
     window = local_window_at(step, run.args, run.config)
-    accumulation = run.accumulation_at(step)
-    # One tensor from the first step to the last (zeros once the weights have faded): a single compiled graph.
-    extra_weights = (torch.tensor(extra_target_weights_at(step, run.args), device=run.env.device)
-                     if run.args.extra_targets else None)
+    accumulation = run.accumulation
     for micro_step in range(accumulation):
         x, y = run.train_loader.next_batch()  # (B, T)
         if rows != x.size(1):  # the same tokens in the same order as (B * T / rows, rows)
@@ -3138,7 +2892,7 @@ def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
         with sync:
             with run.autocast_ctx:
                 _, objective, aux = run.model(x, y, return_logits=False, drop_blocks=drop, local_window=window,
-                                              extra_target_weights=extra_weights, sampled_softmax=sample)
+                                              sampled_softmax=sample)
             (objective / accumulation).backward()
         run.train_loader.prefetch()  # the next micro-batch (the next step's first), read while this one runs
         step_loss += aux.pop("next_token_loss") / accumulation
@@ -3159,13 +2913,13 @@ def out_of_memory(where: str, B: int, T: int) -> InputError:
                       "double --grad_accumulation_steps (same tokens per step)")
 
 
-def configure_compile(coordinate_descent_tuning: bool, combo_kernels: bool, mode: str) -> dict:
-    """Sets inductor's process-wide tuning and horizontal-fusion switches and returns torch.compile's keyword
-    arguments for `mode` (the trainer and scripts/profile_model.py compile the same way)."""
+def configure_compile(coordinate_descent_tuning: bool, combo_kernels: bool):
+    """Sets inductor's process-wide tuning and horizontal-fusion switches (the trainer and
+    scripts/profile_model.py compile the same way). torch.compile runs in its default mode: the modes with CUDA
+    graphs would rebuild them for each window and row-length stage, and the step keeps the GPU busy already."""
     import torch._inductor.config as inductor_config
     inductor_config.coordinate_descent_tuning = coordinate_descent_tuning
     inductor_config.combo_kernels = combo_kernels
-    return {} if mode == "default" else {"mode": mode}
 
 
 def synchronize(device: torch.device):
@@ -3246,7 +3000,6 @@ def save_checkpoint(run: Run, step: int, evaluated: bool):
     device = run.env.device
     state = dict(
         format=CHECKPOINT_FORMAT, model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
-        average=run.average.state_dict() if run.average is not None else None,
         step=step, batches_drawn=run.train_loader.batches_drawn, train_time_s=run.train_time_s, evaluated=evaluated,
         rng_cpu=torch.get_rng_state(), rng_cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         **run.layout)
@@ -3300,12 +3053,11 @@ def evaluate_and_record(run: Run, step: int, stop: StopSignal) -> tuple[Evaluati
     (None, seconds) when a signal cut it short."""
     t0 = time.perf_counter()
     losses = []
-    with run.average.applied() if run.average is not None else contextlib.nullcontext():
-        for val in filter(None, (run.val, run.nocap_val)):
-            losses.append(evaluate(run.eval_model, val, run.env.world_size, run.args.val_dtype,
-                                   interrupted=lambda: agree(run.env, stop.signum)[0] > 0))
-            if losses[-1] is None:
-                return None, time.perf_counter() - t0
+    for val in filter(None, (run.val, run.nocap_val)):
+        losses.append(evaluate(run.eval_model, val, run.env.world_size, run.args.val_dtype,
+                               interrupted=lambda: agree(run.env, stop.signum)[0] > 0))
+        if losses[-1] is None:
+            return None, time.perf_counter() - t0
     eval_s = time.perf_counter() - t0
     result = Evaluation(losses[0], losses[1] if run.nocap_val is not None else None)
     nocap_rows = {} if result.val_loss_1024 is None else dict(val_loss_1024=result.val_loss_1024)
@@ -3325,8 +3077,6 @@ def timed_step(run: Run, step: int) -> tuple[float, torch.Tensor, dict, float]:
     t0 = time.perf_counter()
     try:
         step_loss, aux = train_step(run, step, scale)
-        if run.average is not None:
-            run.average.observe(step + 1)
     except torch.OutOfMemoryError:
         raise out_of_memory(f"in step {step + 1}", args.batch_size, args.sequence_length) from None
     synchronize(run.env.device)
@@ -3424,8 +3174,6 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
                         file=log.terminal[1])  # the bar's redraws stay out of log.txt
     emit = progress.write if progress is not None else log.print
     step, last_save = run.start_step, time.monotonic()
-    if run.average is not None and step == 0:
-        run.average.observe(0)  # an average from step 0 starts at the initial weights
     while True:
         minutes_due = 0 < args.save_every_minutes <= (time.monotonic() - last_save) / 60
         signum, minutes_due = agree(env, stop.signum, int(minutes_due))  # every rank acts at the same step
@@ -3467,8 +3215,7 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
             last_save = time.monotonic()
 
         step_s, step_loss, aux, lr = timed_step(run, step)
-        tokens_per_s, mfu = meter.step(step_s, run.tokens_through(step + 1) - run.tokens_through(step),
-                                       row_length_at(step, args), local_window_at(step, args, run.config),
+        tokens_per_s, mfu = meter.step(step_s, row_length_at(step, args), local_window_at(step, args, run.config),
                                        softmax_columns_at(step, args))
         step = outcome.step = step + 1
         if len(meter.step_seconds) == 10 and step < final_step:  # once the step time has settled

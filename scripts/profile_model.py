@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.autograd import DeviceType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import (COMPILE_MODES, GPT, MLP, ArgumentParser, Block, CausalSelfAttention, InputError,  # noqa: E402
+from train_gpt2 import (GPT, MLP, ArgumentParser, Block, CausalSelfAttention, InputError,  # noqa: E402
                         LatentAttention, MoE, Norm, SoftmaxSample, TokenLoader, add_model_flags,
                         check_sampled_softmax, configure_compile, draw_log_weights, make_optimizer, parse_args,
                         pick_device, report_input_errors, resolve_model_config, synchronize)
@@ -109,9 +109,9 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
     # The optimizer and compile settings the model trains with: NoCap's, or its recipe's (d12_fast: Muon +
     # AdamW, combo kernels, no coordinate-descent tuning).
     recipe = parse_args(["--model", args.model])
-    compile_options = (configure_compile(recipe.coordinate_descent_tuning, recipe.combo_kernels, args.compile_mode)
-                       if args.compile else None)
-    optimizer = make_optimizer(model, recipe, device, compile_options)
+    if args.compile:
+        configure_compile(recipe.coordinate_descent_tuning, recipe.combo_kernels)
+    optimizer = make_optimizer(model, recipe, device, args.compile)
     # The head the model trains with: its recipe's sampled softmax unless --sampled_softmax says otherwise, checked
     # as the trainer checks it (columns that span the vocabulary leave the full softmax).
     if args.sampled_softmax is not None:
@@ -137,7 +137,7 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
                        else torch.zeros(config.vocab_size, device=device))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_cuda)
     timer = None  # the part timer's hooks go in after the profiler pass, which they would only slow
-    forward = torch.compile(model, **compile_options) if args.compile else model
+    forward = torch.compile(model) if args.compile else model
     warnings.filterwarnings("ignore", message="Full backward hook is firing")  # expected for GPT and wte
 
     def charge(part: str, start: float):
@@ -248,8 +248,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model and Muon's update as the trainer does on a GPU; prints the kernel "
                         "table only")
-    p.add_argument("--compile_mode", choices=COMPILE_MODES, default="default",
-                   help="torch.compile's mode, as the trainer's flag of that name")
     p.add_argument("--kernels", type=int, default=15, help="rows of the kernel table (0: no profiler pass)")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the profiled steps here")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")

@@ -40,8 +40,7 @@ from train_gpt2 import (FINISHED_STATUSES, ArgumentParser, InputError, overtime_
 NOCAP_STEPS, NOCAP_WARMUP, NOCAP_WARMDOWN = 4768, 256, 1024
 # Flags counted in optimizer steps: what --budget scales with the run's length.
 STEP_FLAGS = ("num_iterations", "warmup_iters", "warmdown_iters", "muon_momentum_warmup", "val_loss_every",
-              "curriculum_iters", "window_iters", "layerdrop_iters", "batch_ramp_iters", "ema_start",
-              "extra_targets_iters", "sampled_softmax_iters")
+              "curriculum_iters", "window_iters", "layerdrop_iters", "sampled_softmax_iters")
 # Every proxy run: the whole schedule (no early stop), scored under autocast like training (bf16: a sweep
 # setting, so proxy losses are compared only with proxy losses), no coordinate-descent tuning (compile time).
 COMMON_FLAGS = dict(target_val_loss=0, val_dtype="bf16", coordinate_descent_tuning=False)
@@ -221,8 +220,6 @@ def shards_ready(protocol: Protocol, spec: Spec, data: str) -> bool:
     its micro-batches, overtime steps included (walked as the trainer's loader walks them), or every shard is
     there."""
     args = trainer_args(spec.model, spec.flags)
-    if args.bos_align:  # how far its rows reach depends on the documents' lengths: wait for every shard
-        return all(os.path.exists(os.path.join(data, shard)) for shard in protocol.train_shards)
     window = args.batch_size * args.sequence_length
     steps = spec.steps + (args.overtime_steps if overtime_applies(args) else 0)
     needed = steps * resolve_grad_accumulation(args, world_size=1)

@@ -56,12 +56,12 @@ def test_table_groups_seeds_and_computes_speedup(tmp_path, capsys):
 
 def test_a_flag_a_run_predates_counts_at_its_default(tmp_path, capsys):
     evals = [(0, 0.0, 4.0), (10, 5.0, 3.0)]
-    old = write_run(tmp_path, "old_s0", evals)  # made before --bos_align existed
-    new = write_run(tmp_path, "new_s1", evals, seed=1, bos_align=False)  # the flag at its default: a seed of old
-    aligned = write_run(tmp_path, "aligned_s2", evals, seed=2, bos_align=True)  # trained differently
-    assert compare_runs.main([old, new, aligned]) == 0
+    old = write_run(tmp_path, "old_s0", evals)  # made before --normuon_beta2 existed
+    new = write_run(tmp_path, "new_s1", evals, seed=1, normuon_beta2=0.0)  # the flag at its default: a seed of old
+    scaled = write_run(tmp_path, "scaled_s2", evals, seed=2, normuon_beta2=0.95)  # trained differently
+    assert compare_runs.main([old, new, scaled]) == 0
     rows = capsys.readouterr().out.splitlines()[2:]
-    assert [row.split("  ")[0] for row in rows] == ["old_s0 (+1 seeds)", "aligned_s2"]
+    assert [row.split("  ")[0] for row in rows] == ["old_s0 (+1 seeds)", "scaled_s2"]
 
 
 def test_unreached_target_and_unfinished_run(tmp_path, capsys):

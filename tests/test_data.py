@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import make_shards
-from train_gpt2 import (HEADER_BYTES, SHARD_MAGIC, AlignedTokenLoader, InputError, TokenLoader, ValidationSet,
-                        load_shard, read_shard_header, write_shard)
+from train_gpt2 import (HEADER_BYTES, SHARD_MAGIC, InputError, TokenLoader, ValidationSet, load_shard,
+                        read_shard_header, write_shard)
 
 CPU = torch.device("cpu")
 
@@ -126,17 +126,12 @@ def test_skip_replays_the_walk(tmp_path):
         torch.testing.assert_close(skipped.next_batch(), walked.next_batch())
 
 
-@pytest.mark.parametrize("aligned", [False, True])
-def test_prefetched_batches_are_the_walks_and_leave_it_alone(tmp_path, aligned):
+def test_prefetched_batches_are_the_walks_and_leave_it_alone(tmp_path):
     # The trainer prefetches after each micro-batch: the batches are the same as without, the walk's state (what
     # a checkpoint keeps) does not move until the batch is handed out, and a staged batch that the walk has
     # moved past (a skip, a restored position) is never handed out.
-    if aligned:
-        _documents_shards(tmp_path, n_shards=2, n_docs=50)
-        make = lambda: AlignedTokenLoader(str(tmp_path / "doc_train_*.bin"), 2, 16, 0, 1, 256, CPU, BOS)
-    else:
-        train_glob, _ = make_shards(tmp_path, n_train=2, train_tokens=500)
-        make = lambda: TokenLoader(train_glob, 2, 16, 0, 1, 256, CPU)
+    train_glob, _ = make_shards(tmp_path, n_train=2, train_tokens=500)
+    make = lambda: TokenLoader(train_glob, 2, 16, 0, 1, 256, CPU)
     plain, prefetching = make(), make()
     reads = []
     read = prefetching._read_batch
@@ -158,98 +153,6 @@ def test_shard_smaller_than_a_batch_round_is_refused(tmp_path):
     train_glob, _ = make_shards(tmp_path, n_train=1, train_tokens=100)
     with pytest.raises(InputError, match="fewer than one batch round"):
         TokenLoader(train_glob, 4, 32, 0, 1, 256, CPU)
-
-
-BOS = 255
-
-
-def _documents_shards(directory, n_shards: int, n_docs: int, seed: int = 0) -> list[np.ndarray]:
-    """Shards of documents of 1-60 tokens, each opening with BOS (FineWeb's layout), written to directory."""
-    rng = np.random.default_rng(seed)
-    shards = []
-    for i in range(1, n_shards + 1):
-        docs = [np.concatenate([[BOS], rng.integers(0, BOS, rng.integers(0, 60))]) for _ in range(n_docs)]
-        shards.append(np.concatenate(docs))
-        write_shard(str(directory / f"doc_train_{i:06d}.bin"), shards[-1])
-    return shards
-
-
-def _reference_aligned_rows(shards, B, T, rank, world, n):
-    """The aligned walk written out with a scan: a row is the T + 1 tokens from a BOS, the next row starts at the
-    first BOS at or after the row's start + T; a round is world*B rows, rank r's are rows r*B.. (r+1)*B - 1;
-    a shard is left when the next round would not fit; after the last shard, the first again."""
-    def round_from(tokens, s):
-        rows = []
-        while len(rows) < world * B:
-            while s < len(tokens) and tokens[s] != BOS:
-                s += 1
-            if s + T + 1 > len(tokens):
-                return None, None
-            rows.append(tokens[s: s + T + 1])
-            s += T
-        return rows, s
-
-    shard, start, out, visited = 0, 0, [], []
-    while len(out) < n:
-        rows, following = round_from(shards[shard], start)
-        out.append(np.stack(rows[rank * B: (rank + 1) * B]))
-        visited.append(shard)
-        if round_from(shards[shard], following)[0] is None:
-            shard, start = (shard + 1) % len(shards), 0
-        else:
-            start = following
-    return out, visited
-
-
-@pytest.mark.parametrize("rank, world", [(0, 1), (0, 2), (1, 2)])
-def test_aligned_rows_begin_at_documents_in_the_walks_order(tmp_path, rank, world):
-    shards = _documents_shards(tmp_path, n_shards=3, n_docs=60)
-    B, T = 2, 24
-    loader = AlignedTokenLoader(str(tmp_path / "doc_train_*.bin"), B, T, rank, world, 256, CPU, BOS)
-    expected, visited = _reference_aligned_rows(shards, B, T, rank, world, 200)
-    assert max(visited) == 2 and 0 in visited[visited.index(2):]  # every shard read, and back at the first
-    for rows in expected:
-        x, y = loader.next_batch()
-        assert (x[:, 0] == BOS).all()
-        np.testing.assert_array_equal(x.numpy(), rows[:, :-1])
-        np.testing.assert_array_equal(y.numpy(), rows[:, 1:])
-
-
-def test_aligned_skip_replays_the_walk_and_samples_leave_it_alone(tmp_path):
-    _documents_shards(tmp_path, n_shards=2, n_docs=50)
-    pattern = str(tmp_path / "doc_train_*.bin")
-    first_rows = AlignedTokenLoader(pattern, 5, 16, 0, 1, 256, CPU, BOS).next_batch()[0]
-    walked = AlignedTokenLoader(pattern, 2, 16, 1, 2, 256, CPU, BOS)
-    torch.testing.assert_close(walked.sample_rows(5), first_rows)  # the shard's first rows, as a batch has them
-    for _ in range(17):
-        walked.next_batch()
-    skipped = AlignedTokenLoader(pattern, 2, 16, 1, 2, 256, CPU, BOS)
-    skipped.skip(17)
-    assert (skipped.shard, skipped.position, skipped.batches_drawn) == (walked.shard, walked.position, 17)
-    skipped.sample_rows(5)
-    for _ in range(5):
-        torch.testing.assert_close(skipped.next_batch(), walked.next_batch())
-
-
-def test_aligned_trained_fraction_counts_the_skipped_ends(tmp_path):
-    # Documents of 6, 2, 5 and 3 tokens, rows of 4 (+ 1 target). Row 1 at 0: BOS 1 2 3, and 5 is skipped. Row 2 at
-    # the next start, 6: BOS 6 BOS 7, two documents packed, and 9 10 are skipped. A row at 13 would need 5 tokens
-    # where 3 are left. So 2 rows of 4 tokens are trained on out of 16.
-    write_shard(str(tmp_path / "one_train_000001.bin"), [BOS, 1, 2, 3, 4, 5, BOS, 6, BOS, 7, 8, 9, 10, BOS, 11, 12])
-    loader = AlignedTokenLoader(str(tmp_path / "one_train_*.bin"), 1, 4, 0, 1, 256, CPU, BOS)
-    assert loader.trained_fraction() == 2 * 4 / 16
-    x, y = loader.next_batch()
-    assert x.tolist() == [[BOS, 1, 2, 3]] and y.tolist() == [[1, 2, 3, 4]]
-    x, y = loader.next_batch()
-    assert x.tolist() == [[BOS, 6, BOS, 7]] and y.tolist() == [[6, BOS, 7, 8]]
-    assert loader.next_batch()[0].tolist() == [[BOS, 1, 2, 3]]  # the shard is done: from its start again
-
-
-def test_aligned_shard_with_too_few_document_rows_is_refused(tmp_path):
-    write_shard(str(tmp_path / "few_train_000001.bin"), [BOS] + list(range(100)))  # one document: one row
-    with pytest.raises(InputError, match=r"few_train_000001.bin: only 1 rows of 17 tokens begin at a document start "
-                                         r"\(token 255\), fewer than one batch round .* or drop --bos_align"):
-        AlignedTokenLoader(str(tmp_path / "few_train_*.bin"), 2, 16, 0, 1, 256, CPU, BOS)
 
 
 def test_validation_windows_cover_the_first_val_tokens_once_across_ranks(tmp_path):

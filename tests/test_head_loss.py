@@ -79,8 +79,8 @@ def test_head_cross_entropy_keeps_no_logits_sized_tensor_for_its_backward():
 
 @pytest.mark.parametrize("cap", [0.0, 3.0])
 def test_head_cross_entropy_with_several_targets_is_the_weighted_sum_of_their_means(cap):
-    # Columns with different numbers of ignored targets (as the extra targets have at a row's end), one target
-    # that repeats the next token's: each column's mean over its own positions, weighted.
+    # Columns with different numbers of ignored targets, one target that repeats the next token's: each column's
+    # mean over its own positions, weighted (the loss's general form; the model passes one column).
     from train_gpt2 import HeadCrossEntropy
     torch.manual_seed(1)
     h = torch.randn(12, 8, dtype=torch.float64, requires_grad=True)
@@ -198,52 +198,6 @@ def test_mtp_zero_is_the_baseline():
     idx = torch.randint(0, 64, (2, 16))
     assert torch.equal(a(idx, idx)[1], b(idx, idx)[1]) and not list(b.mtp_proj)
 
-
-def test_extra_targets_score_the_next_tokens_logits_against_later_tokens_in_training_only():
-    torch.manual_seed(0)
-    model = GPT(with_overrides(TINY, vocab_size=64))
-    idx = torch.randint(0, 64, (2, 16))
-    targets = torch.randint(0, 64, (2, 16))
-    targets[0, 3] = -1
-    weights = torch.tensor([0.5, 0.25])
-    _, objective, aux = model(idx, targets, return_logits=False, extra_target_weights=weights)
-    logits = model.logits(_final_hidden(model, idx))
-    # Position t's k-th extra target is token t+1+k, i.e. targets[t + k]; the last k positions have none.
-    next_token, *extras = [F.cross_entropy(logits[:, :16 - k].reshape(-1, 64), targets[:, k:].reshape(-1),
-                                           ignore_index=-1) for k in range(3)]
-    torch.testing.assert_close(aux["next_token_loss"], next_token.detach())
-    torch.testing.assert_close(aux["extra_target_loss_2"], extras[1].detach())
-    torch.testing.assert_close(objective, next_token + 0.5 * extras[0] + 0.25 * extras[1])
-    model.eval()
-    torch.testing.assert_close(model(idx, targets, extra_target_weights=weights)[1], next_token)
-
-
-def test_fused_extra_targets_match_the_plain_head_and_fade_to_next_token_prediction():
-    plain, fused, idx = _plain_and_fused(vocab_size=64)
-    targets = idx.roll(-1, dims=1)
-
-    def grads(model, weights):
-        model.zero_grad()
-        _, objective, aux = model(idx, targets, return_logits=False, extra_target_weights=weights)
-        objective.backward()
-        return objective, aux, [p.grad.clone() for p in model.parameters()]
-    weights = torch.tensor([0.5, 0.25])
-    (plain_objective, plain_aux, plain_grads), (fused_objective, fused_aux, fused_grads) = (
-        grads(plain, weights), grads(fused, weights))
-    torch.testing.assert_close(fused_objective, plain_objective)
-    assert fused_aux.keys() == plain_aux.keys() == {"next_token_loss", "extra_target_loss_1", "extra_target_loss_2"}
-    for name in plain_aux:
-        torch.testing.assert_close(fused_aux[name], plain_aux[name], msg=name)
-    for got, want in zip(fused_grads, plain_grads):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
-    # Faded to zero weights, the objective and its gradient are next-token prediction's, bit for bit.
-    faded_objective, faded_aux, faded_grads = grads(fused, torch.zeros(2))
-    next_objective, _, next_grads = grads(fused, None)
-    assert torch.equal(faded_objective, next_objective) and faded_objective != fused_objective
-    assert all(torch.equal(a, b) for a, b in zip(faded_grads, next_grads))
-
-
-# --- the sampled softmax ---------------------------------------------------------------------------------------
 
 def test_sampled_softmax_columns_hold_every_target_and_the_highest_drawn_others():
     torch.manual_seed(0)
@@ -369,21 +323,20 @@ def test_the_fused_sampled_softmax_matches_the_plain_head():
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_sample_of_several_groups_averages_each_groups_own_sampled_softmax(fused):
     # Rows 0-1 and 2-3 of a micro-batch, each against its own draws: the mean of the two halves' losses as
-    # micro-batches of their own, extra targets (which stop at each row's end) included.
+    # micro-batches of their own.
     torch.manual_seed(0)
     model = GPT(with_overrides(TINY, vocab_size=64, logit_softcap=15.0, fused_head_loss=fused))
     h = torch.randn(4, 16, TINY.n_embd, requires_grad=True)
     targets = torch.randint(0, 40, (4, 16))
-    extra = torch.tensor([0.5])
     draws = torch.rand(2, 64)
-    objective, means = model.head_loss(h, targets, extra, sample=SoftmaxSample(40, draws))
+    objective, means = model.head_loss(h, targets, sample=SoftmaxSample(40, draws))
     objective.backward()
     grouped_grad, h.grad = h.grad, None
-    halves = [model.head_loss(h[rows], targets[rows], extra, sample=SoftmaxSample(40, draws[k]))
+    halves = [model.head_loss(h[rows], targets[rows], sample=SoftmaxSample(40, draws[k]))
               for k, rows in enumerate((slice(0, 2), slice(2, 4)))]
     torch.testing.assert_close(objective, (halves[0][0] + halves[1][0]) / 2)
     torch.testing.assert_close(means, (halves[0][1] + halves[1][1]) / 2)
     ((halves[0][0] + halves[1][0]) / 2).backward()
     torch.testing.assert_close(grouped_grad, h.grad)
-    whole, _ = model.head_loss(h, targets, extra, sample=SoftmaxSample(40, draws[0]))
+    whole, _ = model.head_loss(h, targets, sample=SoftmaxSample(40, draws[0]))
     assert not torch.isclose(whole, objective)  # one sample for all four rows scores other columns

@@ -532,7 +532,7 @@ def test_newton_schulz_hands_product_plus_row_major_stacks(monkeypatch):
 
     monkeypatch.setattr(kernels, "product_plus", recording)
     for shape in [(2, 48, 16), (2, 16, 48)]:  # tall, wide
-        train_gpt2.newton_schulz(torch.randn(shape), ((3.4445, -4.7750, 2.0315),) * 2, 1.0, 1e-7)
+        train_gpt2.newton_schulz(torch.randn(shape), (3.4445, -4.7750, 2.0315), 2, 1e-7)
     assert layouts == [True] * 4
 
 # (n, r, c, dtype, beta). The interpreter's tiles are 16 x 16 x 16: several tiles on each side, partial edge tiles

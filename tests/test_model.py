@@ -88,12 +88,11 @@ def test_step_mfu_counts_each_steps_rows_and_window():
     meter = StepMeter(model, SimpleNamespace(device=torch.device("cpu"), world_size=1), tokens_per_step=100)
     meter.peak = 1e15  # a GPU's peak, so MFU is computed (a CPU has none)
     steps = [(1024, 64), (512, 0), (1024, 0)]  # window warmup; curriculum rows; full shape
-    mfus = [meter.step(0.5, 100, rows, window)[1] for rows, window in steps]
+    mfus = [meter.step(0.5, rows, window)[1] for rows, window in steps]
     assert mfus == [flops_per_token(model, rows, local_window=window) * 200 / 1e15 for rows, window in steps]
     assert mfus[0] < mfus[2] and mfus[1] < mfus[2]  # less attention done at the same tokens/s
-    assert meter.step(1.0, 50, 1024, 0)[1] == pytest.approx(mfus[2] / 4)  # a batch-ramp step: its own MFU ...
-    assert meter.steady_mfu() == sorted(mfus)[1]  # ... but only full steps make the summary's median
-    sampled = meter.step(0.5, 100, 1024, 0, 8192)[1]  # a sampled softmax's step: the head products it makes
+    assert meter.steady_mfu() == sorted(mfus)[1]  # the summary's median
+    sampled = meter.step(0.5, 1024, 0, 8192)[1]  # a sampled softmax's step: the head products it makes
     assert sampled == flops_per_token(model, 1024, head_columns=8192) * 200 / 1e15 and sampled < mfus[2]
 
 

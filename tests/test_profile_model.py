@@ -109,14 +109,13 @@ def test_the_compiled_step_gets_the_kernel_table(capsys):
 
 
 def test_the_profiled_compile_is_the_trainers(monkeypatch):
-    # The mode asked for, and the model's recipe's coordinate-descent and combo-kernel settings (d12: on, off;
-    # d12_fast: off, on).
+    # The model's recipe's coordinate-descent and combo-kernel settings (d12: on, off; d12_fast: off, on).
     import torch._inductor.config as inductor_config
     calls = []
     monkeypatch.setattr(profile_model.torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)
     with inductor_config.patch(coordinate_descent_tuning=False, combo_kernels=True):  # put back afterwards
-        profile_model.profile(args_for("--compile", "--kernels", "0", "--compile_mode", "max-autotune-no-cudagraphs"))
-        assert calls == [{"mode": "max-autotune-no-cudagraphs"}]
+        profile_model.profile(args_for("--compile", "--kernels", "0"))
+        assert calls == [{}]
         assert inductor_config.coordinate_descent_tuning and not inductor_config.combo_kernels
         profile_model.profile(args_for("--model", "d12_fast", "--n_layer", "2", "--n_embd", "64", "--n_head", "2",
                                        "--compile", "--kernels", "0"))

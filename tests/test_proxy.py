@@ -139,10 +139,6 @@ def test_a_run_starts_only_when_its_shards_are_there(tmp_path):
     over = proxy.parse_spec(protocol, "over:tiny --num_iterations 30 --overtime_steps 2 --target_val_loss 3",
                             TINY.split())
     assert proxy.shards_ready(protocol, ontime, str(data)) and not proxy.shards_ready(protocol, over, str(data))
-    aligned = proxy.parse_spec(protocol, "aligned:tiny --num_iterations 1 --bos_align true", TINY.split())
-    assert not proxy.shards_ready(protocol, aligned, str(data))  # its reach depends on the documents: all shards
-    make_shards(data, prefix="mix", n_train=2, train_tokens=2_000)
-    assert proxy.shards_ready(protocol, aligned, str(data))
 
 
 def test_run_trains_each_spec_scores_the_checks_and_archives(tmp_path, capsys):

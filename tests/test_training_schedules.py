@@ -1,6 +1,5 @@
-"""Schedules over the steps of a run beyond the learning rate: the attention-window warmup, the batch-size
-ramp, the extra targets' fade and the sampled softmax's span, each checked for what it schedules, what a run
-then computes, and its flags' errors."""
+"""Schedules over the steps of a run beyond the learning rate: the attention-window warmup and the sampled
+softmax's span, each checked for what it schedules, what a run then computes, and its flags' errors."""
 
 import json
 from argparse import Namespace
@@ -12,8 +11,7 @@ import torch
 import train_gpt2
 from conftest import count_compiles, make_shards, read_metrics, tiny_run_args
 from model_variants import TINY, VARIANTS, with_overrides
-from train_gpt2 import (GPT, accumulation_at, build_parser, extra_target_weights_at, local_window_at, main,
-                        softmax_columns_at, softmax_sample, tokens_through, warm_up_steps)
+from train_gpt2 import GPT, build_parser, local_window_at, main, softmax_columns_at, softmax_sample, warm_up_steps
 
 
 def parse(*flags) -> Namespace:
@@ -93,99 +91,6 @@ def test_window_warmup_flags_are_checked_against_the_model(tmp_path, shards, cap
         "error: --window_iters 99: pass the step (1 to --num_iterations 6) at which the schedule reaches --window"]
     assert not (tmp_path / "run").exists()
 
-
-# --- the batch-size ramp ---------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("start, accumulation, iters", [(1, 8, 100), (2, 8, 7), (4, 8, 5), (1, 2, 3), (1, 4, 1000)])
-def test_batch_ramp_doubles_the_micro_batches_and_counts_its_tokens(start, accumulation, iters):
-    micro = 4096
-    args = parse("--batch_ramp_start", str(start * micro), "--batch_ramp_iters", str(iters))
-    counts = [accumulation_at(step, args, accumulation, micro) for step in range(iters + 20)]
-    stages = (accumulation // start).bit_length() - 1
-    assert counts[0] == start and counts[iters:] == [accumulation] * 20
-    assert sorted(set(counts)) == [start << k for k in range(stages + 1)]  # every stage met
-    assert all(b in (a, 2 * a) for a, b in zip(counts, counts[1:]))  # doubling, never shrinking
-    for step in range(iters + 20):
-        assert tokens_through(step, args, accumulation, micro) == micro * sum(counts[:step])
-    plain = parse()
-    assert tokens_through(7, plain, accumulation, micro) == 7 * accumulation * micro
-
-
-def test_a_ramped_run_reads_the_same_tokens_in_fewer_micro_batches_early(tmp_path, shards, capsys, monkeypatch):
-    seen = {}
-    forward = GPT.forward
-
-    def recording_forward(self, idx, targets=None, **kwargs):
-        if self.training:
-            seen.setdefault(run_name, []).append(idx.flatten().tolist())
-        return forward(self, idx, targets, **kwargs)
-    monkeypatch.setattr(GPT, "forward", recording_forward)
-    # 2 x 32 tokens per micro-batch, 4 per full step: steps of 1, 1, 2, 2, then 4 micro-batches.
-    for run_name, extra in (("plain", []), ("ramp", ["--batch_ramp_start", "64", "--batch_ramp_iters", "4"])):
-        assert main(tiny_run_args(shards, tmp_path, run_name, "--grad_accumulation_steps", "4", *extra)) == 0
-    capsys.readouterr()
-    assert len(seen["ramp"]) == 1 + 1 + 2 + 2 + 4 + 4 and len(seen["plain"]) == 6 * 4
-    assert seen["ramp"] == seen["plain"][:len(seen["ramp"])]  # the same data order
-    tokens = {r["step"]: r["tokens"] for r in read_metrics(tmp_path / "ramp") if "train_loss" in r}
-    assert tokens == {1: 64, 2: 128, 3: 256, 4: 384, 5: 640, 6: 896}
-    assert json.loads((tmp_path / "ramp" / "summary.json").read_text())["tokens"] == 896
-
-
-def test_batch_ramp_flags_explain_themselves(tmp_path, shards, capsys):
-    def error(*extra):
-        assert main(tiny_run_args(shards, tmp_path, "run", "--grad_accumulation_steps", "4", *extra)) == 2
-        return capsys.readouterr().err.strip().splitlines()
-    assert error("--batch_ramp_start", "96", "--batch_ramp_iters", "2") == [
-        "error: --batch_ramp_start 96 must be the tokens per step 256 halved one or more times (e.g. 64), so each "
-        "stage doubles it"]
-    assert error("--batch_ramp_start", "32", "--batch_ramp_iters", "2") == [
-        "error: --batch_ramp_start 32 is not a whole number of micro-batches of 64 tokens (batch_size x "
-        "sequence_length x processes); pick a multiple"]
-    assert error("--batch_ramp_iters", "2") == [
-        "error: --batch_ramp_iters needs --batch_ramp_start (the first stage's value); pass both or neither"]
-    assert not (tmp_path / "run").exists()
-
-
-# --- the extra targets' fade -----------------------------------------------------------------------------------
-
-def test_extra_targets_fade_the_farthest_first_each_over_an_equal_share():
-    args = parse("--extra_targets", "2", "--extra_targets_iters", "300")
-    weights = {step: extra_target_weights_at(step, args) for step in (0, 75, 150, 225, 300, 999)}
-    assert weights == {0: [0.5, 0.25], 75: [0.5, 0.125], 150: [0.5, 0.0], 225: [0.25, 0.0], 300: [0.0, 0.0],
-                       999: [0.0, 0.0]}
-    three = parse("--extra_targets", "3", "--extra_targets_iters", "30")
-    assert extra_target_weights_at(0, three) == [0.5, 0.25, 0.125]
-    assert extra_target_weights_at(15, three) == [0.5, 0.125, 0.0]  # the middle target halfway down its share
-
-
-def test_an_extra_targets_run_passes_each_steps_weights_and_logs_each_targets_loss(tmp_path, shards, capsys,
-                                                                                   monkeypatch):
-    seen = record_training_passes(monkeypatch, lambda kwargs: kwargs["extra_target_weights"].tolist())
-    flags = ["--extra_targets", "2", "--extra_targets_iters", "4"]
-    assert main(tiny_run_args(shards, tmp_path, "run", *flags)) == 0
-    capsys.readouterr()
-    # 6 steps of 2 micro-batches: the far target fades over steps 0-1, the near one over steps 2-3.
-    assert seen == [w for w in ([0.5, 0.25], [0.5, 0.125], [0.5, 0.0], [0.25, 0.0], [0.0, 0.0], [0.0, 0.0])
-                    for _ in range(2)]
-    steps = [r for r in read_metrics(tmp_path / "run") if "train_loss" in r]
-    assert len(steps) == 6
-    assert all(0 < r[f"extra_target_loss_{k}"] < 10 for r in steps for k in (1, 2))  # near ln(vocab) at the start
-
-
-def test_extra_targets_flags_explain_themselves(tmp_path, shards, capsys):
-    def error(*extra):
-        assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 2
-        return capsys.readouterr().err.strip().splitlines()
-    together = ("error: --extra_targets and --extra_targets_iters go together: the extra targets' weights fade to 0 "
-                "over --extra_targets_iters steps; pass both (> 0) or neither")
-    assert error("--extra_targets", "2") == [together]
-    assert error("--extra_targets_iters", "5") == [together]
-    assert error("--extra_targets", "-1", "--extra_targets_iters", "5") == [
-        "error: --extra_targets -1: pass how many tokens after the next to score too (e.g. 2), or 0 for none"]
-    assert not (tmp_path / "run").exists()
-
-
-# --- the sampled softmax's span --------------------------------------------------------------------------------
 
 def test_the_sampled_softmax_lasts_its_steps_and_draws_by_seed_step_and_micro_batch():
     from types import SimpleNamespace
