@@ -68,10 +68,6 @@ class GPTConfig:
     fused_head_loss: bool = knob(False, "the head's training loss as one autograd function that computes the "
                                         "logits' gradient in its forward (a Triton kernel on CUDA), its products "
                                         "on the vocabulary padded to a multiple of 64")
-    fp8_head: bool = knob(False, "the fused head loss's logits product in FP8 (e4m3, per-tensor scales) on GPUs "
-                                 "with FP8 tensor cores (sm_89+: RTX 4090, H100), bf16 elsewhere with a notice")
-    fp8_mlp: bool = knob(False, "the MLP's training products in FP8 (torchao's float8 linear) on sm_89+ GPUs, "
-                                "bf16 elsewhere with a notice; evaluation runs the exact products")
     # The same math: two fewer passes over the (tokens, hidden) activations each way, and only their square
     # kept for the backward (autograd keeps the product too).
     fused_relu2: bool = knob(False, "the relu2 MLP in training with ReLU² in its products' epilogues "
@@ -100,9 +96,6 @@ class GPTConfig:
     # The stream gets the pair's identity, which attention would otherwise have to assemble.
     bigram_embed: int = knob(0, "a hashed (previous token, token) table of bigram_embed x vocab_size rows, zero "
                                 "at first, added to every block's input with a learned weight (0: none)")
-    # A head can go quiet where its context holds nothing for it, as at a chunked layer's block start.
-    attn_gate: int = knob(0, "each head's output scaled by sigmoid(w . x[:attn_gate]), x the block's normalized "
-                             "input, w learned per head from zero (modded-nanogpt's sparse gate; 0: none)")
     # Every elementwise pass over the stream (norms, residual adds, mixes) moves half the bytes. No effect
     # without autocast, so fp32 evaluation is unchanged.
     bf16_residual: bool = knob(False, "the residual stream in autocast's dtype (bf16 in GPU training) instead of "
@@ -117,12 +110,9 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("n_kv_head", "window", "kv_lora_rank", "moe_experts", "mtp_k", "value_embeds",
-                     "bigram_embed", "attn_gate"):
+                     "bigram_embed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.attn_gate > self.n_embd:
-            raise ValueError(f"attn_gate={self.attn_gate} reads more dimensions than the stream has "
-                             f"(n_embd={self.n_embd})")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}; "
                              f"pick n_head from {_divisors(self.n_embd)}")
@@ -162,19 +152,14 @@ class GPTConfig:
             raise ValueError(f"moe_topk={self.moe_topk} exceeds moe_experts={self.moe_experts}")
         if self.moe_experts and self.mlp_hidden_size % self.moe_topk:
             raise ValueError(f"moe_topk={self.moe_topk} does not divide the MLP width {self.mlp_hidden_size}")
-        if self.fp8_mlp and self.moe_experts:
-            raise ValueError("fp8_mlp runs the dense MLP's products in FP8; the MoE's experts are grouped "
-                             "products it does not cover: set one of moe_experts and fp8_mlp")
-        if self.fused_relu2 and (self.mlp_act != "relu2" or self.fp8_mlp):
+        if self.fused_relu2 and self.mlp_act != "relu2":
             raise ValueError("fused_relu2 fuses the relu2 MLP's activation into its bf16 products: it needs "
-                             f"mlp_act relu2 (not {self.mlp_act!r}) and fp8_mlp off")
+                             f"mlp_act relu2 (not {self.mlp_act!r})")
         if self.chunked_attention_kernel and not (self.window and self.chunked_windows
                                                   and self.attn_impl in ("sdpa", "flash")):
             raise ValueError("chunked_attention_kernel runs the chunked local layers' attention: it needs window > 0, "
                              f"window_kind chunked (not {self.window_kind!r}) and attn_impl sdpa or flash (not "
                              f"{self.attn_impl!r})")
-        if self.fp8_head and not self.fused_head_loss:
-            raise ValueError("fp8_head is the fused head loss's logits product in FP8; set fused_head_loss too")
         self.moe_block_indices  # validates moe_layers
 
     # --- derived sizes: one place for each rule ------------------------------------------------------
@@ -280,8 +265,7 @@ VARIANTS: dict[str, GPTConfig] = {
         # 3x: the 4x MLP learns the same per token and runs 8% fewer tokens/s.
         mlp_ratio=3,
         logit_softcap=15.0, embed_norm=True, x0_mix=True, value_residual=True, unet_skips=True,
-        # The plain head's math in fewer passes over the logits. Its FP8 form (fp8_head) learns the same but
-        # gains no more than 1-2% of the tokens/s: off.
+        # The plain head's math in fewer passes over the logits.
         fused_head_loss=True,
         # ReLU² in the epilogues of the MLP's products on H100-class GPUs: the same gradients, two fewer passes
         # over the MLP's activations each way, and one (tokens, hidden) tensor less kept per layer.

@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import copy
 import fcntl
-import functools
 import glob
 import hashlib
 import importlib.util
@@ -694,14 +693,9 @@ class Attention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.config, self.layer, self.window = config, layer, config.layer_window(layer)
-        # GPTConfig.attn_gate: one gate logit per head from the input's first attn_gate dimensions.
-        self.gate = nn.Linear(config.attn_gate, config.n_head, bias=False) if config.attn_gate else None
-        if self.gate is not None:
-            nn.init.zeros_(self.gate.weight)
 
-    def attend(self, q, k, v, x, masking: Masking | None = None, cache: KVCache | None = None) -> torch.Tensor:
-        """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) -> (B, T, n_embd); x (B, T, n_embd)
-        is the layer's input, which the gate reads."""
+    def attend(self, q, k, v, masking: Masking | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) -> (B, T, n_embd)."""
         c = self.config
         if cache is not None:
             y = cached_attention(q, k, v, self.layer, self.window, c.chunked_windows, cache)
@@ -712,8 +706,6 @@ class Attention(nn.Module):
                                  c.chunked_windows, masking.docs, c.chunked_attention_kernel)
         B, _, T, _ = q.shape
         y = y.transpose(1, 2)  # (B, T, n_head, head_dim)
-        if self.gate is not None:
-            y = y * torch.sigmoid(self.gate(x[..., :c.attn_gate])).unsqueeze(-1)
         return self.c_proj(y.reshape(B, T, c.n_embd))
 
 
@@ -751,7 +743,7 @@ class CausalSelfAttention(Attention):
         if self.ve_mix is not None:
             v = self.ve_mix[0] * v + self.ve_mix[1] * ve.view_as(v).to(v.dtype)  # the table is fp32 under autocast
         values = v
-        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), x, masking, cache), values
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking, cache), values
 
 
 class LatentAttention(Attention):
@@ -782,7 +774,7 @@ class LatentAttention(Attention):
         k = torch.cat([k_nope, k_rope.expand(B, T, c.n_head, c.mla_rope_dim)], dim=-1)
         if c.qk_norm:
             q, k = rms_norm(q, c.norm_eps), rms_norm(k, c.norm_eps)
-        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), x, masking, cache), None
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking, cache), None
 
 
 def mlp_activation(h: torch.Tensor, act: str) -> torch.Tensor:
@@ -801,9 +793,8 @@ class MLP(nn.Module):
         self.act = config.mlp_act
         hidden = hidden or config.mlp_hidden_size
         gated = 2 if self.act == "swiglu" else 1
-        linear = fp8_training_linear() if config.fp8_mlp else nn.Linear
-        self.c_fc = linear(config.n_embd, gated * hidden, bias=False)
-        self.c_proj = linear(hidden, config.n_embd, bias=False)
+        self.c_fc = nn.Linear(config.n_embd, gated * hidden, bias=False)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
         self.fused = config.fused_relu2
 
     def forward(self, x):
@@ -1049,8 +1040,7 @@ class GPT(nn.Module):
         the full softmax's, so they go unused), and the loss is that softmax's estimate; a sample of several
         groups splits the positions, in order, into that many equal runs and averages their losses.
         A pass that builds a gradient takes HeadCrossEntropy under fused_head_loss (the same math, fewer passes
-        over the logits; in training, its logits product in FP8 where fp8_head asks for it), unless the
-        logits are at hand."""
+        over the logits), unless the logits are at hand."""
         stacked = targets.unsqueeze(-1)  # HeadCrossEntropy's targets per position: one column
         weights = torch.ones(1, device=h.device)
         if sample is not None and sample.draws.dim() == 2:  # groups of positions, each with its own columns
@@ -1075,9 +1065,8 @@ class GPT(nn.Module):
             weight, logits = weight[columns], None
         if logits is None and c.fused_head_loss and torch.is_grad_enabled():
             check_head_loss_kernel(h.device)
-            fp8 = c.fp8_head and self.training and fp8_runs(h, "fp8_head")
             return HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, stacked.reshape(-1, n_targets), weights,
-                                          c.logit_softcap, compute_dtype(h), fp8, bias)
+                                          c.logit_softcap, compute_dtype(h), bias)
         if logits is None:
             logits = self.logits(h, weight)
             if bias is not None:
@@ -1233,57 +1222,7 @@ class GPT(nn.Module):
 # =============================================================================
 
 # --- The head's loss (GPT.head_loss): HeadCrossEntropy replaces cross_entropy(GPT.logits(h)) in training;
-# test_head_loss.py checks its loss and gradients against autograd through the logits, in FP8 too.
-
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-
-
-def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor scaled cast: (t / scale in `dtype`, fp32 scale), with t's largest magnitude at the format's max."""
-    scale = t.detach().abs().amax().float().clamp(min=1e-12) / FP8_MAX[dtype]
-    return (t.float() / scale).to(dtype), scale
-
-
-def fp8_supported(device: torch.device) -> bool:
-    """FP8 tensor cores: CUDA compute capability 8.9 or newer (RTX 4090, H100; not A100 or RTX 3090).
-    torch._scaled_mm also runs on CPU, which keeps the path testable there."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
-    return device.type == "cpu"
-
-
-def fp8_runs(x: torch.Tensor, what: str, *widths: int) -> bool:
-    """Whether `what` (the fp8_head or fp8_mlp field) can run a product over x (..., d) in FP8: the device has
-    FP8 tensor cores (otherwise a notice says it runs in bf16) and x's rows, its width and the product's other
-    `widths` are multiples of 16 (torch._scaled_mm's rule)."""
-    if not fp8_supported(x.device):
-        name = torch.cuda.get_device_name(x.device) if x.device.type == "cuda" else x.device.type
-        notice(f"{what}: {name} has no FP8 tensor cores (sm_89+); its products run in bf16")
-        return False
-    return all(n % 16 == 0 for n in (x[..., 0].numel(), x.size(-1), *widths))
-
-
-@functools.cache
-def fp8_training_linear() -> type[nn.Linear]:
-    """The Linear of fp8_mlp: torchao's Float8Linear (e4m3 inputs and weights, e5m2 gradients, dynamic
-    per-tensor scales) in training where fp8_runs allows it, the exact product otherwise, so evaluation
-    scores the weights themselves. Its parameters and state dict are a Linear's. torchao, a package this
-    trainer otherwise needs only for 8-bit AdamW, is imported on first use."""
-    need_package("torchao", "--fp8_mlp (its FP8 products)")
-    from torchao.float8 import Float8LinearConfig
-    from torchao.float8.float8_linear import Float8Linear
-
-    class FP8TrainingLinear(Float8Linear):
-        def __init__(self, in_features: int, out_features: int, bias: bool = True):
-            super().__init__(in_features, out_features, bias=bias, config=Float8LinearConfig())
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if self.training and fp8_runs(x, "fp8_mlp", self.out_features):
-                return super().forward(x)
-            return F.linear(x, self.weight, self.bias)
-
-    return FP8TrainingLinear
-
+# test_head_loss.py checks its loss and gradients against autograd through the logits.
 
 class HeadCrossEntropy(torch.autograd.Function):
     """The training loss of the head in one piece: mean cross-entropy of the (softcapped) logits
@@ -1302,23 +1241,13 @@ class HeadCrossEntropy(torch.autograd.Function):
 
     The products run on the vocabulary padded with zero rows to a multiple of 64, the padded columns
     masked out of the softmax: GPT-2's 50,257 is odd, which leaves every row of the logits unaligned and
-    sends cuBLAS to slower kernels (nanoGPT pads the embedding itself; here the parameters stay NoCap's).
-
-    fp8: the logits' product in FP8 (torch._scaled_mm, h and w as e4m3 with per-tensor scales), the two
-    backward products in bf16: the weight's gradient in FP8 would need the (N, V) gradient transposed (FP8
-    tensor cores take K-major operands only; the copy alone takes longer than the product), and the hidden
-    states' gradient an e5m2 copy of it, which costs the loss kernel more than the product saves."""
+    sends cuBLAS to slower kernels (nanoGPT pads the embedding itself; here the parameters stay NoCap's)."""
 
     @staticmethod
-    def forward(ctx, h, w, targets, weights, cap: float, dtype: torch.dtype, fp8: bool = False,
-                bias: torch.Tensor | None = None):
+    def forward(ctx, h, w, targets, weights, cap: float, dtype: torch.dtype, bias: torch.Tensor | None = None):
         V = w.size(0)
         h_c, w_c = h.to(dtype), F.pad(w.to(dtype), (0, 0, 0, -V % 64))
-        if fp8:
-            (h8, h_scale), (w8, w_scale) = to_fp8(h_c, torch.float8_e4m3fn), to_fp8(w_c, torch.float8_e4m3fn)
-            logits = torch._scaled_mm(h8, w8.t(), scale_a=h_scale, scale_b=w_scale, out_dtype=dtype)
-        else:
-            logits = h_c @ w_c.t()
+        logits = h_c @ w_c.t()
         counts = (targets != -1).sum(dim=0)  # (M,)
         weights = weights.to(torch.promote_types(logits.dtype, torch.float32))
         # The kernel's gradient sums the targets' terms with these weights, so that, divided by the first
@@ -1342,7 +1271,7 @@ class HeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_objective, grad_means):
         grad_h, grad_w = ctx.saved_tensors
         return ((grad_h * grad_objective).to(ctx.dtypes[0]), (grad_w * grad_objective).to(ctx.dtypes[1]),
-                None, None, None, None, None, None)
+                None, None, None, None, None)
 
 
 def check_head_loss_kernel(device: torch.device):
@@ -1872,19 +1801,13 @@ def check_newton_schulz_kernels(device: torch.device):
 
 def muon_params(model: GPT) -> list[nn.Parameter]:
     """The hidden weight matrices Muon orthogonalizes: every Linear inside the blocks (attention, MLP,
-    the MTP projections) but the MoE router and the attention gates. Embeddings, the head, gains, gates and
-    3-D expert stacks stay with AdamW, as in the modded-nanogpt recipes."""
+    the MTP projections) but the MoE router. Embeddings, the head, gains and 3-D expert stacks stay with AdamW,
+    as in the modded-nanogpt recipes."""
     hidden = [m.weight for m in model.transformer.h.modules() if isinstance(m, nn.Linear)]
     hidden += [m.weight for m in model.mtp_proj]
     excluded = {id(m.router.weight) for m in model.modules() if isinstance(m, MoE)}
-    excluded |= {id(p) for p in attention_gates(model)}
     return [p for p in hidden if id(p) not in excluded]
 
-
-def attention_gates(model: GPT) -> list[nn.Parameter]:
-    """The attention gates' weights (GPTConfig.attn_gate): a few logits' worth of mixing weights, trained
-    with the scalars."""
-    return [block.attn.gate.weight for block in model.transformer.h if block.attn.gate is not None]
 
 
 def make_optimizer(model: GPT, args, device: torch.device, compiled: bool = False) -> Optimizers:
@@ -1911,7 +1834,7 @@ def make_optimizer(model: GPT, args, device: torch.device, compiled: bool = Fals
     embeddings += [table.weight for table in model.value_embeds]
     embeddings += [model.bigram_embed.weight] if model.bigram_embed is not None else []
     taken |= {id(p) for p in embeddings}
-    scalars = [p for p in model.parameters() if p.ndim < 2 and id(p) not in taken] + attention_gates(model)
+    scalars = [p for p in model.parameters() if p.ndim < 2 and id(p) not in taken]
     taken |= {id(p) for p in scalars}
     rest = [p for p in model.parameters() if id(p) not in taken]
     groups = [dict(params=rest, lr=args.learning_rate),
@@ -2157,7 +2080,9 @@ class StepMeter:
 # Run directory, logs and checkpoints
 # =============================================================================
 
-CHECKPOINT_FORMAT = 2  # 2: the digest of the contents travels inside the file (1: in a .sha256 file beside it)
+# 3: GPTConfig without fp8_head, fp8_mlp and attn_gate; 2: the digest of the contents travels inside the file (1: in
+# a .sha256 file beside it)
+CHECKPOINT_FORMAT = 3
 FINISHED_STATUSES = ("reached_target", "completed", "missed_target")
 LOCK_NAME = "run.lock"
 
@@ -2445,9 +2370,7 @@ def load_checkpoint(path: str, expected: dict, flag: str = "--resume") -> dict:
 def model_from_checkpoint(path: str, device: torch.device, flag: str = "--checkpoint") -> tuple[GPT, dict]:
     """The model a checkpoint holds (any variant: its config travels with it), and the checkpoint."""
     ckpt = load_checkpoint(path, expected={}, flag=flag)
-    # Evaluation runs the MLP's exact products whatever fp8_mlp trained with: the plain Linear does so
-    # without torchao.
-    model = GPT(GPTConfig(**{**ckpt["model_config"], "fp8_mlp": False}))
+    model = GPT(GPTConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     return model.to(device), ckpt
 
@@ -3302,15 +3225,43 @@ def report_input_errors(action) -> int:
     except InputError as e:
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank meets the same input: one line
             print(f"error: {e}", file=sys.stderr)
+        else:  # torchrun stops every rank once one exits: wait, so that rank 0 has printed the line first
+            time.sleep(5)
         return 2
     except WriteFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
 
+# Flags counted in optimizer steps: the schedule's shape, which --num_iterations alone re-sizes (resized_schedule).
+SCHEDULE_STEP_FLAGS = ("warmup_iters", "warmdown_iters", "muon_momentum_warmup", "val_loss_every", "curriculum_iters",
+                       "window_iters", "layerdrop_iters", "sampled_softmax_iters", "overtime_steps")
+
+
+def given_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
+    """The flags the command line sets (abbreviated or as --flag=value too): argv parsed again with every
+    default replaced by a marker."""
+    unset = object()
+    parser.set_defaults(**{action.dest: unset for action in parser._actions})
+    given, _ = parser.parse_known_args(argv)
+    return {dest for dest, value in vars(given).items() if value is not unset}
+
+
+def resized_schedule(defaults: dict, steps: int, given: set[str]) -> dict:
+    """The step-counted flags of a schedule of defaults["num_iterations"] steps at `steps` steps, each keeping
+    its fraction of the run (an evaluation interval at least 1); those given on the command line keep theirs."""
+    scale = steps / defaults["num_iterations"]
+    resized = {flag: round(defaults[flag] * scale) for flag in SCHEDULE_STEP_FLAGS
+               if defaults[flag] and flag not in given}
+    if "val_loss_every" in resized:
+        resized["val_loss_every"] = max(1, resized["val_loss_every"])
+    return resized
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line, with the chosen variant's recipe (model_variants.RECIPES) as flag defaults, which
-    --help shows beside the variant's own fields."""
+    --help shows beside the variant's own fields. A --num_iterations other than the recipe's re-sizes its
+    step-counted settings, so that a shorter or longer run keeps the recipe's shape."""
     first = ArgumentParser(add_help=False)  # which variant, and whether the batch is sized on the command line
     first.add_argument("--model", default="d12")
     first.add_argument("--total_batch_size", type=int)
@@ -3323,7 +3274,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         recipe.pop("total_batch_size", None)
         recipe.pop("grad_accumulation_steps", None)
     parser.set_defaults(**recipe)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    defaults = {flag: parser.get_default(flag) for flag in ("num_iterations", *SCHEDULE_STEP_FLAGS)}
+    if args.num_iterations != defaults["num_iterations"] and args.num_iterations > 0:
+        resized = resized_schedule(defaults, args.num_iterations, given_flags(build_parser(known.model), argv))
+        if resized:
+            vars(args).update(resized)
+            notice(f"--num_iterations {args.num_iterations} re-sizes {known.model}'s schedule of "
+                   f"{defaults['num_iterations']} steps: " + " ".join(f"--{k} {v}" for k, v in resized.items())
+                   + " (each keeps its fraction of the run; a flag given on the command line wins)")
+    return args
 
 
 def main(argv=None) -> int:

@@ -33,14 +33,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from model_variants import RECIPES  # noqa: E402
-from train_gpt2 import (FINISHED_STATUSES, ArgumentParser, InputError, overtime_applies, parse_args,  # noqa: E402
-                        read_json, read_shard_header, resolve_grad_accumulation)
+from train_gpt2 import (FINISHED_STATUSES, SCHEDULE_STEP_FLAGS, ArgumentParser, InputError,  # noqa: E402
+                        overtime_applies, parse_args, read_json, read_shard_header, resolve_grad_accumulation)
 
 # NoCap-Test's baseline schedule: 4768 steps, 256 of linear warmup, a linear warmdown over the last 1024.
 NOCAP_STEPS, NOCAP_WARMUP, NOCAP_WARMDOWN = 4768, 256, 1024
-# Flags counted in optimizer steps: what --budget scales with the run's length.
-STEP_FLAGS = ("num_iterations", "warmup_iters", "warmdown_iters", "muon_momentum_warmup", "val_loss_every",
-              "curriculum_iters", "window_iters", "layerdrop_iters", "sampled_softmax_iters")
+# Flags counted in optimizer steps: what --budget scales with the run's length, each within the run.
+STEP_FLAGS = ("num_iterations", *SCHEDULE_STEP_FLAGS)
 # Every proxy run: the whole schedule (no early stop), scored under autocast like training (bf16: a sweep
 # setting, so proxy losses are compared only with proxy losses), no coordinate-descent tuning (compile time).
 COMMON_FLAGS = dict(target_val_loss=0, val_dtype="bf16", coordinate_descent_tuning=False)

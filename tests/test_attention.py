@@ -252,63 +252,6 @@ def test_qk_norm_makes_attention_invariant_to_query_key_scale():
     torch.testing.assert_close(model(idx, idx)[1], before, rtol=1e-6, atol=1e-6)  # norms compute in fp32
 
 
-# --- the attention output gate (attn_gate) ------------------------------------------------------------------
-
-def gated_and_plain(**changes) -> tuple[GPT, GPT]:
-    """A model with a 5-dimension attention gate and the same model without it, sharing every other weight."""
-    torch.manual_seed(0)
-    config = with_overrides(TINY, vocab_size=64, attn_impl="manual", attn_gate=5, **changes)
-    gated, plain = GPT(config).double(), GPT(with_overrides(config, attn_gate=0)).double()
-    missing, unexpected = gated.load_state_dict(plain.state_dict(), strict=False)
-    assert not unexpected and set(missing) == {f"transformer.h.{i}.attn.gate.weight" for i in range(2)}
-    return gated, plain
-
-
-def test_the_attention_gate_starts_every_head_at_half():
-    gated, plain = gated_and_plain()
-    with torch.no_grad():
-        for block in plain.transformer.h:
-            block.attn.c_proj.weight.mul_(0.5)
-    idx = torch.randint(0, 64, (2, 12))
-    torch.testing.assert_close(gated(idx, idx)[0], plain(idx, idx)[0])
-
-
-@pytest.mark.parametrize("latent", [{}, dict(kv_lora_rank=16, mla_rope_dim=8)])
-def test_the_attention_gate_scales_each_heads_output_by_the_sigmoid_of_its_logit(latent):
-    gated, plain = gated_and_plain(**latent)
-    attn, reference = gated.transformer.h[1].attn, plain.transformer.h[1].attn
-    with torch.no_grad():
-        attn.gate.weight.normal_()
-    x = torch.randn(2, 10, 64, dtype=torch.float64)
-    cos, sin = gated.rotary(10)
-    heads = {}
-    reference.c_proj.register_forward_hook(lambda module, inputs, output: heads.update(y=inputs[0]))
-    reference(x, cos, sin)
-    logits = x[..., :5] @ attn.gate.weight.T  # (B, T, n_head): the input's first 5 dimensions only
-    y = heads["y"].view(2, 10, 4, 16) * torch.sigmoid(logits)[..., None]
-    torch.testing.assert_close(attn(x, cos, sin)[0], attn.c_proj(y.reshape(2, 10, 64)))
-
-
-def test_the_attention_gate_trains_and_decodes_through_the_kv_cache():
-    gated, _ = gated_and_plain()
-    idx = torch.randint(0, 64, (2, 12))
-    gated(idx, idx)[1].backward()
-    assert all(block.attn.gate.weight.grad.abs().sum() > 0 for block in gated.transformer.h)
-    with torch.no_grad():
-        for block in gated.transformer.h:
-            block.attn.gate.weight.normal_()
-    prompt = torch.randint(0, 64, (2, 5))
-    assert torch.equal(gated.generate(prompt, 6, temperature=0), gated.generate(prompt, 6, temperature=0,
-                                                                                use_cache=False))
-
-
-def test_an_attention_gate_wider_than_the_stream_is_refused():
-    with pytest.raises(ValueError, match="attn_gate=65 reads more dimensions than the stream has"):
-        with_overrides(TINY, attn_gate=65)
-    with pytest.raises(ValueError, match="attn_gate=-1 must be >= 0"):
-        with_overrides(TINY, attn_gate=-1)
-
-
 # --- attention within documents (doc_mask) ---------------------------------------------------------------------
 
 DOC = 63  # the tiny vocabulary's document token

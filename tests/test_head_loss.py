@@ -1,5 +1,5 @@
-"""The head and its loss: the fused head loss against autograd through the logits, its logits product in FP8
-(training only, with a notice where there is no FP8), multi-token prediction, the sampled softmax."""
+"""The head and its loss: the fused head loss against autograd through the logits, multi-token prediction, the
+sampled softmax."""
 
 import math
 
@@ -9,30 +9,6 @@ import torch.nn.functional as F
 
 from model_variants import TINY, with_overrides
 from train_gpt2 import GPT, SoftmaxSample, sampled_softmax_columns
-
-from conftest import cosine
-
-
-def test_fp8_head_falls_back_with_a_notice_on_gpus_without_fp8(monkeypatch, capsys):
-    import train_gpt2
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))  # RTX 3090
-    assert not train_gpt2.fp8_supported(torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert train_gpt2.fp8_supported(torch.device("cuda")) and train_gpt2.fp8_supported(torch.device("cpu"))
-    calls = []
-    apply = train_gpt2.HeadCrossEntropy.apply
-    monkeypatch.setattr(train_gpt2.HeadCrossEntropy, "apply", lambda *a: calls.append(a[6]) or apply(*a))
-    monkeypatch.setattr(train_gpt2, "fp8_supported", lambda device: False)
-    model = GPT(with_overrides(TINY, vocab_size=64, fused_head_loss=True, fp8_head=True))
-    idx = torch.randint(0, 64, (2, 8))
-    model(idx, idx, return_logits=False)[1].backward()
-    assert calls == [False]  # the bf16 product ran
-    assert "fp8_head: cpu has no FP8 tensor cores (sm_89+); its products run in bf16" in capsys.readouterr().err
-
-
-def test_fp8_head_is_a_form_of_the_fused_head_loss():
-    with pytest.raises(ValueError, match="set fused_head_loss too"):
-        with_overrides(TINY, fp8_head=True)
 
 
 @pytest.mark.parametrize("cap", [0.0, 3.0])
@@ -107,30 +83,6 @@ def test_head_cross_entropy_with_several_targets_is_the_weighted_sum_of_their_me
         lambda a, b: HeadCrossEntropy.apply(a, b, targets, weights, cap, torch.float64)[0], (h, w))
 
 
-def test_head_cross_entropy_in_fp8_takes_the_logits_product_in_fp8_and_tracks_bf16(monkeypatch):
-    from train_gpt2 import HeadCrossEntropy
-    fp8_products = []
-    scaled_mm = torch._scaled_mm
-    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **kw: fp8_products.append((a.dtype, b.shape)) or
-                        scaled_mm(a, b, **kw))
-    torch.manual_seed(0)
-    h = torch.randn(64, 32, requires_grad=True)
-    w = (0.3 * torch.randn(100, 32)).requires_grad_(True)  # padded to 128 for the products
-    targets = torch.randint(0, 100, (64,))
-    targets[3] = -1
-    results = {}
-    for fp8 in (False, True):
-        h.grad = w.grad = None
-        loss, _ = HeadCrossEntropy.apply(h, w, targets[:, None], torch.ones(1), 15.0, torch.bfloat16, fp8)
-        (3 * loss).backward()
-        results[fp8] = loss.detach(), h.grad.clone(), w.grad.clone()
-    assert fp8_products == [(torch.float8_e4m3fn, (32, 128))]  # the forward product only, on the padded vocab
-    (loss16, *grads16), (loss8, *grads8) = results[False], results[True]
-    assert loss8 != loss16 and abs(loss8 - loss16) < 0.05  # e4m3's 3 mantissa bits, not a different loss
-    assert all(cosine(g8, g16) > 0.99 for g8, g16 in zip(grads8, grads16))
-    assert grads8[0].dtype == h.dtype and grads8[1].dtype == w.dtype and grads8[1].shape == w.shape
-
-
 def _plain_and_fused(**overrides) -> tuple[GPT, GPT, torch.Tensor]:
     """The same seeded weights as a plain head and a fused one, and a batch of tokens for them."""
     torch.manual_seed(0)
@@ -144,13 +96,13 @@ def test_fused_head_loss_trains_like_the_plain_head_and_only_where_a_gradient_is
     import train_gpt2
     calls = []
     apply = train_gpt2.HeadCrossEntropy.apply
-    monkeypatch.setattr(train_gpt2.HeadCrossEntropy, "apply", lambda *a: calls.append(a[6]) or apply(*a))
+    monkeypatch.setattr(train_gpt2.HeadCrossEntropy, "apply", lambda *a: calls.append(a[5]) or apply(*a))
     plain, fused, idx = _plain_and_fused(mtp_k=1)
     targets = idx.roll(-1, dims=1)
     for model in (plain, fused):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(idx, targets, return_logits=False)[1].backward()
-    assert calls == [False, False]  # the fused model's next-token and MTP losses (bf16); none for the plain model
+    assert calls == [torch.bfloat16] * 2  # the fused model's next-token and MTP losses; none for the plain model
     for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=0.05, atol=2e-3, msg=name)
     # Evaluation builds no gradient: the plain head. Asking for the logits needs them: the next-token
@@ -160,11 +112,6 @@ def test_fused_head_loss_trains_like_the_plain_head_and_only_where_a_gradient_is
     assert len(calls) == 2
     fused(idx, targets)
     assert len(calls) == 3
-    # With the FP8 head the fused loss takes its FP8 form in training where the device has FP8 and the
-    # shapes suit torch._scaled_mm: the next-token loss's 32 tokens do, the MTP loss's 30 (not a multiple
-    # of 16) do not.
-    GPT(with_overrides(fused.config, fp8_head=True))(idx, targets, return_logits=False)
-    assert calls[3:] == [True, False]
 
 
 def test_mtp_leaves_next_token_loss_alone_and_adds_its_weighted_terms():

@@ -1,6 +1,5 @@
-"""The MLP and Mixture-of-Experts: activations, SwiGLU at equal parameters, the MLP's FP8 products (training
-only, exact in evaluation, a notice where there is no FP8), the fused ReLU² MLP (autograd's gradients, one
-compiled graph, a notice where its kernel cannot run), one expert equals the dense MLP, the grouped
+"""The MLP and Mixture-of-Experts: activations, SwiGLU at equal parameters, the fused ReLU² MLP (autograd's
+gradients, one compiled graph, a notice where its kernel cannot run), one expert equals the dense MLP, the grouped
 dispatch equals the per-expert loop, routing and balance, and compiled MoE evaluation."""
 
 from dataclasses import replace
@@ -12,7 +11,6 @@ import torch.nn.functional as F
 
 from model_variants import D12, TINY, VARIANTS, with_overrides
 from train_gpt2 import GPT, MLP, MoE, PermuteRows, evaluation_compiles, grouped_mm_supported, precision
-
 
 
 def test_swiglu_matches_gelu_mlp_parameters():
@@ -34,46 +32,6 @@ def test_mlp_activations(act):
     inner = {"gelu": F.gelu(h), "relu2": F.relu(h) ** 2,
              "swiglu": F.silu(h[:, :h.size(1) // 2]) * h[:, h.size(1) // 2:]}[act]
     torch.testing.assert_close(mlp(x), inner @ mlp.c_proj.weight.T)
-
-
-def test_fp8_mlp_trains_through_fp8_products_and_evaluates_the_exact_ones():
-    torch.manual_seed(0)
-    fp8, plain = MLP(with_overrides(TINY, fp8_mlp=True)), MLP(TINY)
-    assert list(fp8.state_dict()) == list(plain.state_dict())  # checkpoints load either way
-    plain.load_state_dict(fp8.state_dict())
-    x = torch.randn(4, 16, 64)
-    fp8.eval()
-    assert torch.equal(fp8(x), plain(x))  # evaluation: the weights' own products
-    fp8.train()
-    got, want = fp8(x), plain(x)
-    assert not torch.equal(got, want)  # e4m3 products ran...
-    assert (got - want).norm() < 0.1 * want.norm()  # ...and they approximate the exact ones
-    got.square().sum().backward()
-    want.square().sum().backward()
-    for a, b in ((fp8.c_fc.weight.grad, plain.c_fc.weight.grad), (fp8.c_proj.weight.grad, plain.c_proj.weight.grad)):
-        assert not torch.equal(a, b) and F.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.98
-    odd = torch.randn(2, 15, 64)  # 30 rows: not a multiple of 16, which FP8 GEMMs need, so the exact product runs
-    assert torch.equal(fp8(odd), plain(odd))
-
-
-def test_fp8_mlp_runs_exact_products_with_a_notice_on_gpus_without_fp8(monkeypatch, capsys):
-    import train_gpt2
-    monkeypatch.setattr(train_gpt2, "fp8_supported", lambda device: False)
-    torch.manual_seed(0)
-    fp8, plain = MLP(with_overrides(TINY, fp8_mlp=True)), MLP(TINY)
-    plain.load_state_dict(fp8.state_dict())
-    x = torch.randn(4, 16, 64)
-    assert torch.equal(fp8(x), plain(x))
-    assert "fp8_mlp: cpu has no FP8 tensor cores (sm_89+); its products run in bf16" in capsys.readouterr().err
-
-
-def test_fp8_mlp_keeps_the_models_parameters_and_their_optimizer():
-    from train_gpt2 import muon_params
-    fp8, plain = GPT(with_overrides(TINY, fp8_mlp=True)), GPT(TINY)
-    assert [(n, p.shape) for n, p in fp8.named_parameters()] == [(n, p.shape) for n, p in plain.named_parameters()]
-    assert len(muon_params(fp8)) == len(muon_params(plain))  # Muon still orthogonalizes the MLP's matrices
-    with pytest.raises(ValueError, match="set one of moe_experts and fp8_mlp"):
-        with_overrides(TINY, fp8_mlp=True, moe_experts=2)
 
 
 def spy_on_relu2_products(monkeypatch) -> list[bool]:
@@ -172,11 +130,9 @@ def test_d12_fast_trains_its_mlp_fused():
     assert VARIANTS["d12_fast"].fused_relu2 and not VARIANTS["d12"].fused_relu2
 
 
-def test_fused_relu2_needs_the_relu2_mlp_without_fp8():
-    with pytest.raises(ValueError, match="fused_relu2 .* needs mlp_act relu2 \\(not 'gelu'\\) and fp8_mlp off"):
+def test_fused_relu2_needs_the_relu2_mlp():
+    with pytest.raises(ValueError, match="fused_relu2 .* needs mlp_act relu2 \\(not 'gelu'\\)"):
         with_overrides(TINY, fused_relu2=True)
-    with pytest.raises(ValueError, match="fp8_mlp off"):
-        with_overrides(TINY, mlp_act="relu2", fused_relu2=True, fp8_mlp=True)
 
 
 def test_moe_with_one_expert_top1_equals_the_dense_mlp():

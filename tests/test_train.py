@@ -169,7 +169,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     from model_variants import TINY, with_overrides
     from train_gpt2 import GPT, make_optimizer
     model = GPT(with_overrides(TINY, vocab_size=64, norm="rms_gain", moe_experts=2, moe_topk=1, moe_layers="1",
-                               mtp_k=1, attn_gate=4))
+                               mtp_k=1))
     args = build_parser().parse_args(["--optimizer", "muon", "--muon_lr", "0.05", "--learning_rate", "0.003"])
     muon, adamw = make_optimizer(model, args, torch.device("cpu")).optimizers
     muon_names = {n for n, p in model.named_parameters() if any(p is q for q in muon.param_groups[0]["params"])}
@@ -198,7 +198,7 @@ def test_muon_recipe_gives_embeddings_and_scalars_their_own_adamw_groups():
     from model_variants import TINY, with_overrides
     from train_gpt2 import GPT, make_optimizer
     model = GPT(with_overrides(TINY, vocab_size=64, tie_embeddings=False, norm="rms_gain", x0_mix=True,
-                               value_residual=True, unet_skips=True, value_embeds=1, bigram_embed=1, attn_gate=4))
+                               value_residual=True, unet_skips=True, value_embeds=1, bigram_embed=1))
     args = build_parser().parse_args(["--optimizer", "muon", "--learning_rate", "0.003", "--embed_lr", "0.3",
                                       "--scalar_lr", "0.04", "--weight_decay", "0.1"])
     groups = make_optimizer(model, args, torch.device("cpu")).optimizers[1].param_groups
@@ -208,7 +208,6 @@ def test_muon_recipe_gives_embeddings_and_scalars_their_own_adamw_groups():
     assert by_lr[0.3] == ({"transformer.wte.weight", "value_embeds.0.weight", "bigram_embed.weight"}, 0.1)
     assert by_lr[0.04] == ({"skip_weights", "bigram_mix", "transformer.h.0.x_mix", "transformer.h.1.x_mix",
                             "transformer.h.1.attn.v_mix", "transformer.h.0.attn.ve_mix", "transformer.h.1.attn.ve_mix",
-                            "transformer.h.0.attn.gate.weight", "transformer.h.1.attn.gate.weight",
                             "transformer.h.0.norm_attn.weight",
                             "transformer.h.0.norm_mlp.weight", "transformer.h.1.norm_attn.weight",
                             "transformer.h.1.norm_mlp.weight", "norm_f.weight"}, 0.0)
@@ -402,20 +401,6 @@ def test_resume_from_a_periodic_checkpoint_gives_the_uninterrupted_losses(tmp_pa
     assert resumed == {step: straight[step] for step in resumed}  # bitwise equal on CPU
     summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["tokens"] == 8 * 128
-
-
-def test_a_run_with_fp8_mlp_trains_in_fp8_and_scores_its_exact_model(tmp_path, shards, capsys):
-    from train_gpt2 import MLP, ValidationSet, evaluate, model_from_checkpoint
-    code, _, _ = run(capsys, shards, tmp_path, "fp8", "--fp8_mlp", "true")
-    assert code == 0
-    assert run(capsys, shards, tmp_path, "bf16")[0] == 0
-    logs = {name: {r["step"]: r for r in read_metrics(tmp_path / name)} for name in ("fp8", "bf16")}
-    assert logs["fp8"][1]["train_loss"] != logs["bf16"][1]["train_loss"]  # the FP8 products trained it
-    model, _ = model_from_checkpoint(str(tmp_path / "fp8" / "ckpt_000006.pt"), torch.device("cpu"))
-    assert all(type(m.c_fc) is torch.nn.Linear for m in model.modules() if isinstance(m, MLP))  # no torchao needed
-    val = ValidationSet(shards[1], 256, 2, 32, 0, 1, model.config.vocab_size, torch.device("cpu"))
-    # The run's own evaluation scored the exact products of its weights, as any later evaluation does.
-    assert evaluate(model, val, 1) == pytest.approx(logs["fp8"][6]["val_loss"], abs=1e-6)
 
 
 def test_a_run_that_died_before_its_first_checkpoint_starts_over_under_resume_auto(tmp_path, shards, capsys):
@@ -815,6 +800,24 @@ def test_help_gives_each_model_flag_its_meaning_and_the_chosen_variants_values(c
         parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(d12: 12)" in text and "optimizer steps at most (default: 4768)" in text
+
+
+def test_num_iterations_alone_resizes_the_recipes_step_counted_settings(capsys):
+    from train_gpt2 import check_run_flags, parse_args
+    fast = parse_args(["--model", "d12_fast", "--num_iterations", "1000"])  # a tenth of the recipe's 10,000
+    assert (fast.warmdown_iters, fast.muon_momentum_warmup, fast.window_iters, fast.val_loss_every) == (
+        1000, 150, 656, 31)
+    assert (fast.sampled_softmax_iters, fast.overtime_steps) == (1500, 500)  # the softmax spans the overtime still
+    assert ("notice: --num_iterations 1000 re-sizes d12_fast's schedule of 10000 steps: --warmdown_iters 1000 "
+            "--muon_momentum_warmup 150") in capsys.readouterr().err
+    mine = parse_args(["--model", "d12_fast", "--num_iterations=1000", "--window_iter", "100"])  # abbreviated
+    assert (mine.window_iters, mine.warmdown_iters) == (100, 1000)  # a flag given wins
+    d12 = parse_args(["--num_iterations", "1000"])  # NoCap's 256 and 1024 of 4768 steps, and 128 between evaluations
+    assert (d12.warmup_iters, d12.warmdown_iters, d12.val_loss_every) == (54, 215, 27)
+    capsys.readouterr()
+    same = parse_args(["--model", "d12_fast", "--num_iterations", "10000"])
+    assert (same.warmdown_iters, same.window_iters) == (10000, 6560) and capsys.readouterr().err == ""
+    check_run_flags(fast)  # the recipe at a tenth of its length is a valid run
 
 
 def test_every_model_field_has_an_override_flag():
