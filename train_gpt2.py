@@ -120,6 +120,19 @@ def build_parser(model: str = "d12") -> argparse.ArgumentParser:
     """The CLI. Defaults reproduce NoCap-Test's published baseline run (2.5B tokens, 4768 steps); `model`
     names the variant whose fields --help shows (parse_args adds its recipe's defaults)."""
     p = ArgumentParser(description="Train GPT-2 on FineWeb token shards until val loss <= --target_val_loss.")
+    add_data_flags(p)
+    add_model_flags(p, model)
+    p.add_argument("--list_models", action="store_true", help="print the registered variants and exit")
+    add_batch_flags(p)
+    g = p.add_argument_group("optimization")
+    add_optimizer_flags(g)
+    add_schedule_flags(g)
+    add_evaluation_flags(p)
+    add_run_flags(p)
+    return p
+
+
+def add_data_flags(p: argparse.ArgumentParser):
     g = p.add_argument_group("data")
     g.add_argument("--input_bin", default="data/fineweb10B/fineweb_train_*.bin",
                    help="glob of training shards, read in sorted order (get them: python data/fineweb.py)")
@@ -128,9 +141,8 @@ def build_parser(model: str = "d12") -> argparse.ArgumentParser:
     g.add_argument("--val_tokens", type=int, default=NOCAP_VAL_TOKENS,
                    help="validation tokens per evaluation; keep the default to compare with NoCap-Test")
 
-    add_model_flags(p, model)
-    p.add_argument("--list_models", action="store_true", help="print the registered variants and exit")
 
+def add_batch_flags(p: argparse.ArgumentParser):
     g = p.add_argument_group("batch")
     g.add_argument("--batch_size", type=int, default=16,
                    help="sequences per micro-batch per GPU; halve it (and double accumulation) if you run out of "
@@ -152,7 +164,9 @@ def build_parser(model: str = "d12") -> argparse.ArgumentParser:
     g.add_argument("--total_batch_size", type=int, default=None,
                    help="tokens per optimizer step; derives --grad_accumulation_steps")
 
-    g = p.add_argument_group("optimization")
+
+def add_optimizer_flags(g):
+    """The optimizer and its learning rates (the "optimization" group's first part)."""
     g.add_argument("--num_iterations", type=int, default=4768, help="optimizer steps at most")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="adamw: NoCap's, on every parameter; adamw8bit: the same with 8-bit moments (torchao); "
@@ -178,6 +192,11 @@ def build_parser(model: str = "d12") -> argparse.ArgumentParser:
                         "for them: each step also takes lr x this x the step's size off each weight whose update "
                         "would shrink it anyway (update and weight of one sign), and leaves the others alone "
                         "(modded-nanogpt's form, 1.2 there; it fades as the lr squared; --optimizer muon). 0: off")
+
+
+def add_schedule_flags(g):
+    """What changes with the step: the learning rate's shape, LayerDrop, the sampled softmax (the
+    "optimization" group's second part)."""
     g.add_argument("--lr_floor", type=float, default=0.0,
                    help="the warmdown ends at this fraction of the peak learning rate (NoCap: 0)")
     g.add_argument("--lr_schedule", choices=("trapezoid", "one_cycle"), default="trapezoid",
@@ -220,6 +239,8 @@ def build_parser(model: str = "d12") -> argparse.ArgumentParser:
                         "scalars, and of Muon's matrices only without --cautious_weight_decay)")
     g.add_argument("--seed", type=int, default=0, help="seed for model init")
 
+
+def add_evaluation_flags(p: argparse.ArgumentParser):
     g = p.add_argument_group("evaluation")
     g.add_argument("--val_loss_every", type=int, default=128, help="evaluate every N steps (0: only at the end)")
     g.add_argument("--val_batch_size", type=int, default=16, help="validation rows per batch per GPU")
@@ -238,6 +259,9 @@ def build_parser(model: str = "d12") -> argparse.ArgumentParser:
                    help="fp32: NoCap's protocol; bf16: autocast as in training, for sweeps (compare runs only "
                         "at the same setting)")
 
+
+def add_run_flags(p: argparse.ArgumentParser):
+    """Where the run goes, on what, how it compiles and checkpoints."""
     g = p.add_argument_group("run")
     g.add_argument("--output_dir", default="logs", help="runs are written to <output_dir>/<run_name>/")
     g.add_argument("--run_name", default=None, help="default: <model>-<date>-<time>")
@@ -262,7 +286,6 @@ def build_parser(model: str = "d12") -> argparse.ArgumentParser:
     g.add_argument("--resume", default=None,
                    help="checkpoint path, or 'auto' for the newest checkpoint in the run directory")
     g.add_argument("--log_wandb", action="store_true", help="also log to Weights & Biases (pip install wandb)")
-    return p
 
 
 def resolve_model_config(args) -> GPTConfig:
@@ -1078,33 +1101,60 @@ class GPT(nn.Module):
                 drop_blocks: tuple[int, ...] = (), local_window: int = 0, sampled_softmax: SoftmaxSample | None = None):
         """idx, targets: (B, T) token ids. Returns (logits or None, loss or None, aux). The loss is the
         next-token cross-entropy in eval mode and the training objective (plus weighted MTP and MoE terms)
-        in training mode; `aux` holds the terms
-        (detached) for logging, empty in eval mode.
+        in training mode; `aux` holds the terms (detached) for logging, empty in eval mode.
         With a KV cache, idx continues the cached sequence (decoding). In training mode the blocks in
         drop_blocks pass the stream through unchanged (LayerDrop); in eval mode every block runs. A
         local_window other than 0 replaces the local layers' window (the window warmup; training only), and
         a sampled_softmax replaces the next-token head's full softmax (training only; see head_loss).
         With doc_mask, attention stays within the documents of each row (document_ids)."""
-        c = self.config
         B, T = idx.shape
         start = cache.length if cache is not None else 0
-        if start + T > c.block_size:
-            raise ValueError(f"sequence of {start + T} tokens is longer than block_size {c.block_size}")
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens is longer than block_size {self.config.block_size}")
         cos, sin = self.rotary(T, start) if self.rotary is not None else (None, None)
+        masking = self.masking(idx, cache, local_window)
+        x, moe_terms = self.run_blocks(self.embed(idx, start), idx, cos, sin, masking, cache, drop_blocks)
+        if cache is not None:
+            cache.length += T
+            cache.last_token = idx[:, -1:]
+        h = self.norm_f(x)
+        if targets is None:
+            return self.logits(h[:, [-1], :]), None, {}  # inference: only the last position
+        logits = self.logits(h) if return_logits else None  # (B, T, vocab)
+        if not self.training:
+            return logits, self.head_loss(h, targets, logits=logits)[0], {}
+        loss, aux = self.training_objective(h, targets, logits, sampled_softmax, moe_terms)
+        return logits, loss, aux
+
+    def masking(self, idx: torch.Tensor, cache: KVCache | None, local_window: int) -> Masking:
+        """What the blocks' attention masks: the window warmup's local window (training), the documents
+        (doc_mask), and flex attention's block masks, one per distinct window."""
+        c = self.config
         if cache is not None and c.doc_mask:
             raise ValueError("doc_mask: the KV cache keeps no document numbers; decode without it (use_cache=False)")
         masking = Masking(local_window if self.training else 0,
                           document_ids(idx, c.doc_token) if c.doc_mask else None)
         if c.attn_impl == "flex" and cache is None:  # one mask per distinct window (local and global layers)
             windows = sorted({masking.window(c.layer_window(i)) for i in range(c.n_layer)})
-            masking.block_masks = flex_block_masks(T, windows, idx.device, c.chunked_windows, masking.docs)
-        x = self.transformer.wte(idx)  # (B, T, n_embd)
-        if c.pos == "learned":
-            x = x + self.transformer.wpe(torch.arange(start, start + T, device=idx.device))
+            masking.block_masks = flex_block_masks(idx.size(1), windows, idx.device, c.chunked_windows, masking.docs)
+        return masking
+
+    def embed(self, idx: torch.Tensor, start: int) -> torch.Tensor:
+        """The stream's start (B, T, n_embd): token (and learned position) embeddings, normed where asked."""
+        x = self.transformer.wte(idx)
+        if self.config.pos == "learned":
+            x = x + self.transformer.wpe(torch.arange(start, start + idx.size(1), device=idx.device))
         if self.norm_embed is not None:
             x = self.norm_embed(x)
-        if c.bf16_residual:
+        if self.config.bf16_residual:
             x = x.to(compute_dtype(x))  # the rest of the stream follows: bf16 branches add to bf16
+        return x
+
+    def run_blocks(self, x, idx, cos, sin, masking: Masking, cache: KVCache | None,
+                   drop_blocks: tuple[int, ...]) -> tuple[torch.Tensor, list]:
+        """The blocks over the stream x, with the shortcuts that join them (bigram table, U-net skips, value
+        residual and value embeddings); returns the stream and the MoE layers' (balance, load) terms."""
+        c = self.config
         x0, v0, skips, moe_terms = x, None, [], []
         value_rows = [table(idx) for table in self.value_embeds]  # (B, T, kv width) each
         bigrams = None
@@ -1133,35 +1183,28 @@ class GPT(nn.Module):
                 skips.append(x)
             if moe is not None:
                 moe_terms.append(moe)
-        if cache is not None:
-            cache.length += T
-            cache.last_token = idx[:, -1:]
-        h = self.norm_f(x)
-        aux = {}
-        if targets is None:
-            return self.logits(h[:, [-1], :]), None, aux  # inference: only the last position
-        logits = self.logits(h) if return_logits else None  # (B, T, vocab)
-        if self.training:
-            loss, target_means = self.head_loss(h, targets, logits, sampled_softmax)
-        else:
-            loss, target_means = self.head_loss(h, targets, logits=logits)
-        if self.training:
-            objective = loss
-            aux["next_token_loss"] = target_means[0]
-            if c.mtp_k:
-                mtp_losses = []
-                for j, proj in enumerate(self.mtp_proj, start=1):
-                    # Position t predicts token t+1+j, i.e. targets[t + j]; the last j positions have none.
-                    mtp_losses.append(self.head_loss(self.norm_f(proj(h[:, :-j])), targets[:, j:])[0])
-                    aux[f"mtp_loss_{j}"] = mtp_losses[-1].detach()
-                objective = objective + c.mtp_weight * torch.stack(mtp_losses).mean()
-            if moe_terms:
-                moe_aux = torch.stack([a for a, _ in moe_terms]).mean()
-                aux["moe_aux_loss"] = moe_aux.detach()
-                aux["moe_load"] = torch.stack([load for _, load in moe_terms]).mean(dim=0).detach()
-                objective = objective + c.moe_aux_weight * moe_aux
-            loss = objective
-        return logits, loss, aux
+        return x, moe_terms
+
+    def training_objective(self, h, targets, logits, sampled_softmax: SoftmaxSample | None,
+                           moe_terms: list) -> tuple[torch.Tensor, dict]:
+        """The training loss over the final hidden states h: the next-token loss, plus the weighted MTP and MoE
+        balance terms; and those terms, detached, for logging."""
+        c = self.config
+        objective, target_means = self.head_loss(h, targets, logits, sampled_softmax)
+        aux = {"next_token_loss": target_means[0]}
+        if c.mtp_k:
+            mtp_losses = []
+            for j, proj in enumerate(self.mtp_proj, start=1):
+                # Position t predicts token t+1+j, i.e. targets[t + j]; the last j positions have none.
+                mtp_losses.append(self.head_loss(self.norm_f(proj(h[:, :-j])), targets[:, j:])[0])
+                aux[f"mtp_loss_{j}"] = mtp_losses[-1].detach()
+            objective = objective + c.mtp_weight * torch.stack(mtp_losses).mean()
+        if moe_terms:
+            moe_aux = torch.stack([a for a, _ in moe_terms]).mean()
+            aux["moe_aux_loss"] = moe_aux.detach()
+            aux["moe_load"] = torch.stack([load for _, load in moe_terms]).mean(dim=0).detach()
+            objective = objective + c.moe_aux_weight * moe_aux
+        return objective, aux
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
@@ -3084,18 +3127,14 @@ def report_write_failure(error: WriteFailed, step: int | None) -> int:
 def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
     """Each turn: stop if signalled, evaluate when due (and stop at the target), checkpoint when due (by
     steps or minutes), one optimizer step."""
-    args, env, log = run.args, run.env, run.log
+    args, env = run.args, run.env
     # A schedule that ends above the target trains on for up to --overtime_steps more steps; a run resumed
     # past its schedule's end is in that overtime (a run that had reached the target would have finished).
     scheduled_end = args.num_iterations
     in_overtime = overtime_applies(args) and run.start_step >= scheduled_end
     final_step = scheduled_end + (args.overtime_steps if in_overtime else 0)
-    progress = None
-    if env.is_main and sys.stdout.isatty():
-        from tqdm import tqdm
-        progress = tqdm(total=final_step, initial=run.start_step, unit="step", dynamic_ncols=True,
-                        file=log.terminal[1])  # the bar's redraws stay out of log.txt
-    emit = progress.write if progress is not None else log.print
+    progress = progress_bar(run, final_step)
+    emit = progress.write if progress is not None else run.log.print
     step, last_save = run.start_step, time.monotonic()
     while True:
         minutes_due = 0 < args.save_every_minutes <= (time.monotonic() - last_save) / 60
@@ -3128,43 +3167,70 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
                     progress.total = final_step
         if last_step:
             if args.target_val_loss > 0:
-                outcome.status = "missed_target"
-                if step > scheduled_end:
-                    emit(f"notice: {step - scheduled_end} overtime steps ended at val loss "
-                         f"{outcome.final_val_loss:.4f}, still above the target {args.target_val_loss}")
+                report_missed_target(args, outcome, step - scheduled_end, emit)
             break
         if step > run.start_step and (minutes_due or (args.save_every and step % args.save_every == 0)):
             save_checkpoint(run, step, evaluated)
             last_save = time.monotonic()
 
         step_s, step_loss, aux, lr = timed_step(run, step)
-        tokens_per_s, mfu = meter.step(step_s, row_length_at(step, args), local_window_at(step, args, run.config),
-                                       softmax_columns_at(step, args))
+        train_loss = record_step(run, meter, step, (step_s, step_loss, aux, lr), final_step, progress, emit)
         step = outcome.step = step + 1
-        if len(meter.step_seconds) == 10 and step < final_step:  # once the step time has settled
-            emit(meter.eta_line(final_step - step))
-        train_loss = step_loss.item()
-        log.record(step=step, tokens=run.tokens_through(step), train_loss=train_loss, lr=lr,
-                   step_ms=1000 * step_s, tokens_per_s=tokens_per_s, mfu=mfu, train_time_s=run.train_time_s,
-                   peak_mem_mib=meter.peak_mem_mib(), **{name: value.tolist() for name, value in aux.items()})
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
-        else:
-            emit(f"step:{step}/{final_step} | loss {train_loss:.6f} | lr {lr:.3e} | {1000 * step_s:.1f}ms | "
-                 f"{tokens_per_s:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
-                 + f" | train_time {run.train_time_s:.1f}s")
         if not math.isfinite(train_loss):  # all ranks see the same all-reduced loss, so all stop here
             outcome.status = "diverged"
-            if env.is_main:
-                print(f"error: training diverged: loss {train_loss} at step {step}; no checkpoint is written, "
-                      "so the newest one in the run directory is the last good state — lower --learning_rate "
-                      "(or --muon_lr) and start again or --resume from it", file=sys.stderr, flush=True)
+            report_divergence(env, train_loss, step)
             break
     if outcome.status not in ("interrupted", "diverged"):
         save_checkpoint(run, step, evaluated)
     if progress is not None:
         progress.close()
+
+
+def report_divergence(env: Distributed, loss: float, step: int):
+    if env.is_main:
+        print(f"error: training diverged: loss {loss} at step {step}; no checkpoint is written, so the newest one "
+              "in the run directory is the last good state — lower --learning_rate (or --muon_lr) and start again "
+              "or --resume from it", file=sys.stderr, flush=True)
+
+
+def progress_bar(run: Run, final_step: int):
+    """A tqdm bar on rank 0's terminal (its redraws stay out of log.txt), else None."""
+    if not (run.env.is_main and sys.stdout.isatty()):
+        return None
+    from tqdm import tqdm
+    return tqdm(total=final_step, initial=run.start_step, unit="step", dynamic_ncols=True, file=run.log.terminal[1])
+
+
+def report_missed_target(args, outcome: Outcome, overtime: int, emit):
+    """The run ended above --target_val_loss: its status, and a notice if even its overtime steps fell short."""
+    outcome.status = "missed_target"
+    if overtime > 0:
+        emit(f"notice: {overtime} overtime steps ended at val loss {outcome.final_val_loss:.4f}, still above "
+             f"the target {args.target_val_loss}")
+
+
+def record_step(run: Run, meter: StepMeter, step: int, trained: tuple, final_step: int, progress, emit) -> float:
+    """Log optimizer step number step + 1, trained = (seconds, loss, aux terms, lr): its tokens/s and MFU,
+    metrics.jsonl, the progress bar or a line, and the eta once the step time has settled. Returns its loss."""
+    args = run.args
+    step_s, step_loss, aux, lr = trained
+    tokens_per_s, mfu = meter.step(step_s, row_length_at(step, args), local_window_at(step, args, run.config),
+                                   softmax_columns_at(step, args))
+    done = step + 1
+    if len(meter.step_seconds) == 10 and done < final_step:  # once the step time has settled
+        emit(meter.eta_line(final_step - done))
+    train_loss = step_loss.item()
+    run.log.record(step=done, tokens=run.tokens_through(done), train_loss=train_loss, lr=lr,
+                   step_ms=1000 * step_s, tokens_per_s=tokens_per_s, mfu=mfu, train_time_s=run.train_time_s,
+                   peak_mem_mib=meter.peak_mem_mib(), **{name: value.tolist() for name, value in aux.items()})
+    if progress is not None:
+        progress.update(1)
+        progress.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+    else:
+        emit(f"step:{done}/{final_step} | loss {train_loss:.6f} | lr {lr:.3e} | {1000 * step_s:.1f}ms | "
+             f"{tokens_per_s:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
+             + f" | train_time {run.train_time_s:.1f}s")
+    return train_loss
 
 
 def finish(run: Run, outcome: Outcome, meter: StepMeter | None, wall_start: float):
