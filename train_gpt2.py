@@ -1484,7 +1484,7 @@ class TokenLoader:
         self.total_tokens = sum(self.shard_tokens)
         self.batches_drawn = 0
         self._staged = None  # (shard, position, batch): the batch there, already on its way to the device
-        self._set_position(0, self._first_position(0))
+        self._set_position(0, self._first_position())
 
     def _check_room(self, shard: int):
         """A shard too short for one round of batches would be left before it is read: refuse it."""
@@ -1493,7 +1493,7 @@ class TokenLoader:
             raise InputError(f"{self.files[shard]}: {self.shard_tokens[shard]:,} tokens is fewer than one batch round "
                              f"(world_size*B*T+1 = {round_tokens:,}); lower --batch_size or --sequence_length")
 
-    def _first_position(self, shard: int) -> int:
+    def _first_position(self) -> int:
         """Where this process's first window in a shard begins."""
         return self.rank * self.B * self.T
 
@@ -1508,7 +1508,7 @@ class TokenLoader:
         position += stride
         if position + stride + 1 > self.shard_tokens[shard]:
             shard = (shard + 1) % len(self.files)
-            position = self._first_position(shard)
+            position = self._first_position()
         return shard, position
 
     def sample_rows(self, n: int) -> torch.Tensor:
