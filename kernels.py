@@ -31,6 +31,7 @@ copies X into its output: 137 us where cuBLAS takes 194 at d12_fast's largest Mu
 
 import math
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,52 @@ def triton_runs_on(device: torch.device) -> bool:
     """Whether the Triton kernels can take tensors on `device`: CUDA with Triton installed, or any device
     under Triton's interpreter."""
     return triton is not None and (device.type == "cuda" or INTERPRETING)
+
+
+# -----------------------------------------------------------------------------
+# The seam: where each fast path's kernel runs, and one notice where it cannot
+
+_notices_shown: set[str] = set()
+
+
+# Notices are raised inside the model's forward too (a kernel that falls back). Traced by torch.compile,
+# the print would split the graph there, and a split inside the loop over blocks makes dynamo run the
+# rest of the forward uncompiled. Marked as a constant result, the call runs once while dynamo traces
+# and leaves nothing in the graph.
+@torch._dynamo.assume_constant_result
+def notice(message: str):
+    """A one-line notice on stderr, shown once per process (kernel fallbacks and the like)."""
+    if message not in _notices_shown and int(os.environ.get("RANK", "0")) == 0:
+        _notices_shown.add(message)
+        print(f"notice: {message}", file=sys.stderr, flush=True)
+
+
+# Each fast path, what runs on a CUDA GPU where its kernel cannot, and whether its tiles need an sm_90+ GPU
+# (an H100's shared memory and tensor memory accelerator; an A100's or an RTX 4090's are smaller).
+FAST_PATHS = {
+    "head loss": ("inductor's fusion of the same math, about 1.7x slower", False),
+    "relu2 MLP": ("cuBLAS's products with ReLU² in passes of their own (the same math)", True),
+    "block attention": ("SDPA over the blocks (the same math, slower)", False),
+    "Newton-Schulz": ("cuBLAS's products (the same math)", True),
+}
+
+
+@torch._dynamo.assume_constant_result
+def kernel_runs(path: str, device: torch.device) -> bool:
+    """Whether fast path `path` (a FAST_PATHS key) runs its kernel on `device`. On a CUDA GPU it needs Triton
+    and, for some, an sm_90+ GPU; where it cannot, one notice names what runs instead. Elsewhere the kernel
+    entry points run their torch versions themselves (or the kernels in Triton's interpreter), silently."""
+    if device.type != "cuda":
+        return True
+    fallback, needs_sm90 = FAST_PATHS[path]
+    if not triton_runs_on(device):
+        notice(f"{path}: its kernel needs Triton (pip install triton); {fallback} runs instead")
+        return False
+    if needs_sm90 and torch.cuda.get_device_capability(device) < (9, 0):
+        notice(f"{path}: its kernel needs an sm_90+ GPU (H100), not {torch.cuda.get_device_name(device)}; "
+               f"{fallback} runs instead")
+        return False
+    return True
 
 
 # -----------------------------------------------------------------------------
@@ -791,3 +838,87 @@ if triton is not None:
                 acc = tl.dot(a, b, acc)
         acc += beta * tl.reshape(added_desc.load([matrix, row, col]), (BLOCK_M, BLOCK_N)).to(tl.float32)
         out_desc.store([matrix, row, col], tl.reshape(acc.to(out_desc.dtype), (1, BLOCK_M, BLOCK_N)))
+
+
+# -----------------------------------------------------------------------------
+# The autograd functions the model's fast paths call (GPT.head_loss, MLP.forward)
+
+class HeadCrossEntropy(torch.autograd.Function):
+    """The training loss of the head in one piece: mean cross-entropy of the (softcapped) logits
+    cap * tanh(h @ w.T / cap) over the targets that are not -1, with the gradient w.r.t. the logits
+    computed in the forward pass (softcap_cross_entropy: a Triton kernel on CUDA that reads the
+    logits once, inductor's fusion of the same math elsewhere). Autograd's version keeps the (N, vocab)
+    logits and passes over them three more times in the backward (log-softmax's, tanh's and the cast's
+    backward); here the forward also runs the two products that carry that gradient back to h and w, and
+    keeps only their (N, d) and (V, d) results for the backward, which scales them. Products in `dtype` (bf16 under
+    autocast), the softmax in at least fp32. Shapes: h (N, d), w (V, d), targets (N, M): M targets per
+    position scored against the same logits (GPT.head_loss passes one), weights (M,), and bias (V,) or
+    None: a constant added to each column's softcapped logit (GPT.head_loss's sampled softmax).
+
+    Returns (objective, means): means (M,) is each target's mean loss over the positions that have it (not
+    differentiable), objective the weighted sum of those means.
+
+    The products run on the vocabulary padded with zero rows to a multiple of 64, the padded columns
+    masked out of the softmax: GPT-2's 50,257 is odd, which leaves every row of the logits unaligned and
+    sends cuBLAS to slower kernels (nanoGPT pads the embedding itself; here the parameters stay NoCap's)."""
+
+    @staticmethod
+    def forward(ctx, h, w, targets, weights, cap: float, dtype: torch.dtype, bias: torch.Tensor | None = None):
+        V = w.size(0)
+        h_c, w_c = h.to(dtype), F.pad(w.to(dtype), (0, 0, 0, -V % 64))
+        logits = h_c @ w_c.t()
+        counts = (targets != -1).sum(dim=0)  # (M,)
+        weights = weights.to(torch.promote_types(logits.dtype, torch.float32))
+        # The kernel's gradient sums the targets' terms with these weights, so that, divided by the first
+        # target's count in the backward, each term is its own target's mean.
+        target_weights = weights * counts[0] / counts.clamp(min=1)
+        if bias is not None:
+            bias = F.pad(bias, (0, logits.size(1) - V))  # the padded columns' are masked out anyway
+        losses, grad = softcap_cross_entropy(logits, targets, V, cap, target_weights, bias)
+        means = losses.sum(dim=0) / counts
+        ctx.mark_non_differentiable(means)
+        # The loss ends the graph, so its gradient is whole here up to the incoming scalar: the two products
+        # that carry it back run now, and the backward keeps their (N, d) and (V, d) results instead of the
+        # (N, V) gradient. The mean's 1/count scales those results, not the gradient.
+        grad_h = (grad @ w_c) / counts[0]
+        grad_w = (grad.t() @ h_c)[:V] / counts[0]
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = (h.dtype, w.dtype)
+        return (weights * means).sum(), means
+
+    @staticmethod
+    def backward(ctx, grad_objective, grad_means):
+        grad_h, grad_w = ctx.saved_tensors
+        return ((grad_h * grad_objective).to(ctx.dtypes[0]), (grad_w * grad_objective).to(ctx.dtypes[1]),
+                None, None, None, None, None)
+
+
+class ReLU2MLP(torch.autograd.Function):
+    """c_proj(relu(c_fc(x))²) with the ReLU² in the first product's epilogue and its derivative in the epilogue
+    of the backward's product through c_proj (relu2_product). Autograd's version passes over the
+    (tokens, hidden) activations once more each way. Saves only the square, which the backward's product
+    needs anyway: relu(c_fc(x)) is its square root, so the product c_fc(x) is never stored (autograd's version
+    keeps both). Products in `dtype` (bf16 under autocast); gradients returned in the inputs' dtypes.
+    Without the kernel (kernel False), the same contract in torch ops (relu2_product_torch), which
+    torch.compile traces: cuBLAS's products, ReLU² and its derivative in inductor's passes, still keeping only
+    the square."""
+
+    @staticmethod
+    def forward(ctx, x, w_fc, w_proj, dtype: torch.dtype, kernel: bool = True):
+        rows = x.to(dtype).reshape(-1, x.size(-1))
+        w_fc_c, w_proj_c = w_fc.to(dtype), w_proj.to(dtype)
+        product = relu2_product if kernel else relu2_product_torch
+        post = product(rows, w_fc_c.t())
+        ctx.save_for_backward(rows, w_fc_c, w_proj_c, post)
+        ctx.dtypes, ctx.product = (x.dtype, w_fc.dtype, w_proj.dtype), product
+        return (post @ w_proj_c.t()).view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, w_fc_c, w_proj_c, post = ctx.saved_tensors
+        grad_rows = grad_out.reshape(-1, grad_out.size(-1)).to(w_proj_c.dtype)
+        grad_pre = ctx.product(grad_rows, w_proj_c, post)
+        grad_x = (grad_pre @ w_fc_c).view(*grad_out.shape[:-1], -1)
+        grad_w_fc, grad_w_proj = grad_pre.t() @ rows, grad_rows.t() @ post
+        x_dtype, w_fc_dtype, w_proj_dtype = ctx.dtypes
+        return grad_x.to(x_dtype), grad_w_fc.to(w_fc_dtype), grad_w_proj.to(w_proj_dtype), None, None

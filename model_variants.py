@@ -11,8 +11,6 @@ from dataclasses import dataclass, field, fields, replace
 
 ATTN_IMPLS = ("sdpa", "flash", "flex", "manual")
 MLP_ACTS = ("gelu", "relu2", "swiglu")
-NORMS = ("rms", "rms_gain", "layer")
-POSITIONS = ("rope", "learned")
 WINDOW_KINDS = ("sliding", "chunked")
 
 
@@ -41,43 +39,29 @@ class GPTConfig:
     # H100) run it, on window/T of full attention's work.
     window_kind: str = knob("sliding", "the local layers' window: sliding (the last `window` positions) or "
                                        "chunked (aligned blocks of `window` positions, as Llama 4's local layers)")
-    # The same math in fewer passes over q, k, v and their gradients. Where the kernel cannot run, SDPA runs:
-    # a GPU without Triton (with a notice), fp32 evaluation, grouped key/value heads.
-    chunked_attention_kernel: bool = knob(False, "the chunked layers' attention in a Triton kernel made for "
-                                                 "aligned blocks (kernels.block_attention) instead of SDPA")
     # FlexAttention (or manual, the reference): SDPA's fused kernels take no per-document mask.
     doc_mask: bool = knob(False, "attention only within documents: a position sees the positions since the last "
-                                 "doc_token, as if each document were its own row (attn_impl flex)")
-    doc_token: int = knob(50256, "the token that begins each document (GPT-2's <|endoftext|>)")
+                                 "document token (the vocabulary's last, GPT-2's <|endoftext|>), as if each "
+                                 "document were its own row (attn_impl flex)")
+    # Rotary embedding turns half of each head's dimensions, apart from the latent's (DeepSeek-V2's 64 of 192).
     kv_lora_rank: int = knob(0, "> 0: multi-head latent attention (DeepSeek's MLA) with a latent this wide")
-    mla_rope_dim: int = knob(32, "MLA: rotary dimensions per head, apart from the latent's")
     qk_norm: bool = knob(False, "parameter-free RMSNorm of each query and key head")
     # --- MLP / MoE --------------------------------------------------------------------------------
     mlp_ratio: int = knob(4, "MLP hidden width = mlp_ratio x n_embd (SwiGLU: 2/3 of it, the same parameters)")
     mlp_act: str = knob("gelu", "the MLP's activation: gelu, relu2 (ReLU squared) or swiglu")
     moe_experts: int = knob(0, "> 0: a Mixture-of-Experts MLP of this many experts (token choice, no drops)")
     moe_topk: int = knob(2, "experts per token; each expert is the MLP's width / moe_topk (the same active FLOPs)")
-    moe_layers: str = knob("all", "blocks with an MoE: all, or indices such as 1,3,5")
-    moe_aux_weight: float = knob(0.01, "weight of the Switch Transformer's load-balancing loss")
-    moe_shared_expert: bool = knob(False, "one always-on expert of the same width beside the routed ones")
     # --- objective --------------------------------------------------------------------------------
-    mtp_k: int = knob(0, "multi-token prediction: also predict tokens t+2 .. t+1+k, each from its own projection")
-    mtp_weight: float = knob(0.3, "weight of the mean extra-target loss in the training objective")
+    mtp_k: int = knob(0, "multi-token prediction: also predict tokens t+2 .. t+1+k, each from its own projection "
+                         "(their mean loss weighs 0.3 in the objective)")
     logit_softcap: float = knob(0.0, "> 0: logits = cap x tanh(logits / cap)")
-    # Same math, fewer passes over the (tokens, vocab) logits, aligned GEMMs.
-    fused_head_loss: bool = knob(False, "the head's training loss as one autograd function that computes the "
-                                        "logits' gradient in its forward (a Triton kernel on CUDA), its products "
-                                        "on the vocabulary padded to a multiple of 64")
-    # The same math: two fewer passes over the (tokens, hidden) activations each way, and only their square
-    # kept for the backward (autograd keeps the product too).
-    fused_relu2: bool = knob(False, "the relu2 MLP in training with ReLU² in its products' epilogues "
-                                    "(kernels.relu2_product, a Triton kernel on H100-class GPUs)")
+    # The same math in fewer passes over memory; where a kernel cannot run (a GPU without Triton, or without
+    # sm_90 for the MLP's tiles; fp32 evaluation; grouped key/value heads) its torch version runs, with a notice.
+    fused_kernels: bool = knob(False, "kernels.py's fast paths where the model has their shape: the head's training "
+                                      "loss as one autograd function (its logits' gradient in its forward, on the "
+                                      "vocabulary padded to a multiple of 64), ReLU² in the relu2 MLP's products' "
+                                      "epilogues, and the chunked layers' block attention instead of SDPA")
     # --- the rest ---------------------------------------------------------------------------------
-    norm: str = knob("rms", "rms (parameter-free, NoCap's), rms_gain (a learned gain) or layer (LayerNorm)")
-    norm_eps: float = knob(1e-6, "the norms' epsilon")
-    pos: str = knob("rope", "positions: rope (rotary) or learned (GPT-2's table)")
-    rope_base: float = knob(10000.0, "rotary embedding's base")
-    tie_embeddings: bool = knob(True, "the head shares the token embedding's weights")
     zero_init_proj: bool = knob(False, "every residual branch's output projection starts at zero (blocks begin as "
                                        "the identity)")
     scale_attn_branch: bool = knob(True, "multiply the attention branch by 1/sqrt(2 x n_layer), as NoCap does")
@@ -122,8 +106,7 @@ class GPTConfig:
         if self.n_head % self.kv_heads != 0:
             raise ValueError(f"n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}; "
                              f"pick one of {_divisors(self.n_head)}")
-        for name, allowed in (("attn_impl", ATTN_IMPLS), ("mlp_act", MLP_ACTS), ("norm", NORMS),
-                              ("pos", POSITIONS), ("window_kind", WINDOW_KINDS)):
+        for name, allowed in (("attn_impl", ATTN_IMPLS), ("mlp_act", MLP_ACTS), ("window_kind", WINDOW_KINDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
         if not self.window_pattern or set(self.window_pattern) - {"L", "G"}:
@@ -134,8 +117,6 @@ class GPTConfig:
         if self.doc_mask and self.attn_impl not in ("flex", "manual"):
             raise ValueError(f"doc_mask needs attn_impl flex (or manual, the reference), not {self.attn_impl!r}: "
                              "SDPA's fused kernels take no per-document mask")
-        if self.doc_mask and not 0 <= self.doc_token < self.vocab_size:
-            raise ValueError(f"doc_token={self.doc_token} is not a token of the vocabulary (0..{self.vocab_size - 1})")
         if self.value_embeds and self.kv_lora_rank:
             raise ValueError("value_embeds blends tables into per-head values of grouped attention; MLA (kv_lora_rank "
                              "> 0) has no such values — turn one of them off")
@@ -145,22 +126,13 @@ class GPTConfig:
         if self.kv_lora_rank:
             if self.n_kv_head not in (0, self.n_head):
                 raise ValueError("MLA (kv_lora_rank > 0) has one latent for all heads; leave n_kv_head at 0")
-            if not 0 < self.mla_rope_dim < self.head_dim or self.mla_rope_dim % 2:
-                raise ValueError(f"mla_rope_dim={self.mla_rope_dim} must be even and between 0 and "
-                                 f"head_dim={self.head_dim}")
+            if self.head_dim % 4:
+                raise ValueError(f"MLA turns half of each head's {self.head_dim} dimensions, which must be even: "
+                                 "pick n_head so that head_dim is a multiple of 4")
         if self.moe_experts and self.moe_topk > self.moe_experts:
             raise ValueError(f"moe_topk={self.moe_topk} exceeds moe_experts={self.moe_experts}")
         if self.moe_experts and self.mlp_hidden_size % self.moe_topk:
             raise ValueError(f"moe_topk={self.moe_topk} does not divide the MLP width {self.mlp_hidden_size}")
-        if self.fused_relu2 and self.mlp_act != "relu2":
-            raise ValueError("fused_relu2 fuses the relu2 MLP's activation into its bf16 products: it needs "
-                             f"mlp_act relu2 (not {self.mlp_act!r})")
-        if self.chunked_attention_kernel and not (self.window and self.chunked_windows
-                                                  and self.attn_impl in ("sdpa", "flash")):
-            raise ValueError("chunked_attention_kernel runs the chunked local layers' attention: it needs window > 0, "
-                             f"window_kind chunked (not {self.window_kind!r}) and attn_impl sdpa or flash (not "
-                             f"{self.attn_impl!r})")
-        self.moe_block_indices  # validates moe_layers
 
     # --- derived sizes: one place for each rule ------------------------------------------------------
     @property
@@ -177,9 +149,14 @@ class GPTConfig:
         return self.window_kind == "chunked"
 
     @property
+    def doc_token(self) -> int:
+        """The token that begins each document under doc_mask: the vocabulary's last (GPT-2's <|endoftext|>)."""
+        return self.vocab_size - 1
+
+    @property
     def rotary_dim(self) -> int:
         """Dimensions per head that rotary embedding turns: all of them, or MLA's decoupled part."""
-        return self.mla_rope_dim if self.kv_lora_rank else self.head_dim
+        return self.head_dim // 2 if self.kv_lora_rank else self.head_dim
 
     @property
     def mlp_hidden_size(self) -> int:
@@ -187,20 +164,6 @@ class GPTConfig:
         multiple of 64) to match the parameters of the GELU MLP of the same ratio."""
         width = self.mlp_ratio * self.n_embd
         return max(64, round(2 * width / 3 / 64) * 64) if self.mlp_act == "swiglu" else width
-
-    @property
-    def moe_block_indices(self) -> tuple[int, ...]:
-        if not self.moe_experts:
-            return ()
-        if self.moe_layers == "all":
-            return tuple(range(self.n_layer))
-        try:
-            indices = tuple(sorted({int(i) for i in self.moe_layers.split(",")}))
-        except ValueError:
-            raise ValueError(f"moe_layers={self.moe_layers!r}: expected 'all' or block indices like 1,3,5") from None
-        if not indices or indices[0] < 0 or indices[-1] >= self.n_layer:
-            raise ValueError(f"moe_layers={self.moe_layers!r}: indices must lie in 0..{self.n_layer - 1}")
-        return indices
 
     @property
     def bigram_rows(self) -> int:
@@ -260,24 +223,21 @@ VARIANTS: dict[str, GPTConfig] = {
     # older parts' P40 rows in the notebook at d81deca, docs/measurements/README.md).
     "d12_fast": replace(
         D12, n_head=6,  # head_dim 128
-        # Tied: at the horizons measured the untied head's extra parameters cost more tokens than they earn.
-        qk_norm=True, mlp_act="relu2", zero_init_proj=True, scale_attn_branch=False, tie_embeddings=True,
+        qk_norm=True, mlp_act="relu2", zero_init_proj=True, scale_attn_branch=False,
         # 3x: the 4x MLP learns the same per token and runs 8% fewer tokens/s.
         mlp_ratio=3,
         logit_softcap=15.0, embed_norm=True, x0_mix=True, value_residual=True, unet_skips=True,
-        # The plain head's math in fewer passes over the logits.
-        fused_head_loss=True,
-        # ReLU² in the epilogues of the MLP's products on H100-class GPUs: the same gradients, two fewer passes
-        # over the MLP's activations each way, and one (tokens, hidden) tensor less kept per layer.
-        fused_relu2=True,
+        # The plain head's math in fewer passes over the logits; ReLU² in the epilogues of the MLP's products on
+        # H100-class GPUs (two fewer passes over the MLP's activations each way, one (tokens, hidden) tensor less
+        # kept per layer); the chunked layers' blocks in the block-attention kernel (2.4-3.6 ms less a step
+        # than SDPA with cuDNN). The same gradients.
+        fused_kernels=True,
         # Half the bytes for every elementwise pass over the stream, the same losses. (FP8 in the blocks'
         # linear layers was slower: at width 768 the casts cost more than the products save.)
         bf16_residual=True,
         # Three of four layers attend within aligned 256-token blocks, every fourth over the whole sequence:
         # fewer tokens to the same loss than full attention everywhere, and faster.
         window=256, window_pattern="LLLG", window_kind="chunked",
-        # Their blocks in the block-attention kernel: the same math, 2.4-3.6 ms less a step than SDPA (cuDNN).
-        chunked_attention_kernel=True,
         # Rows of 4096 tokens (the recipe's sequence_length): the global layers learn to use 4x NoCap's context.
         block_size=4096),
 }
@@ -296,8 +256,8 @@ RECIPES: dict[str, dict] = {
     # fewer tokens/s. Muon's momentum warms up over the first 15% of the steps; evaluations every 312 steps
     # (20.4M tokens), 32 a schedule.
     # muon_lr 0.03 and learning_rate 0.008 beat 1.5x up and down on P100; the other values follow the
-    # modded-nanogpt lineage. The tied head trains in the head's group (learning_rate); embed_lr is the input
-    # embedding's peak when it is untied.
+    # modded-nanogpt lineage. The head, tied to the input embedding as in every variant, trains at learning_rate;
+    # embed_lr is the value-embedding and bigram tables' (flags, not the recipe's).
     "d12_fast": dict(
         optimizer="muon", muon_lr=0.03, muon_momentum_warmup=1500, learning_rate=0.008, embed_lr=0.3,
         scalar_lr=0.04, weight_decay=0.0, total_batch_size=65536, num_iterations=10000,
@@ -308,16 +268,14 @@ RECIPES: dict[str, dict] = {
         # Cautious weight decay on Muon's matrices (modded-nanogpt's 1.2): lower on both seeds and on every
         # FineWeb check at 80M tokens, by less than the seeds' spread, for no measurable step time.
         cautious_weight_decay=1.2,
-        # A sampled softmax of 16,384 columns (each micro-batch's targets plus drawn others) over the whole run,
-        # overtime included (one compiled graph): 16% more tokens/s, with the draws below a lower loss at 80M tokens
+        # A sampled softmax of 16,384 columns (each micro-batch's targets plus drawn others) over the whole run
+        # (one compiled graph): 16% more tokens/s, with the draws below a lower loss at 80M tokens
         # and 1% more tokens to d12's final at 20M. 8,192 columns ran 22% faster but needed 30% more tokens.
         # Each 32,768 tokens of a micro-batch draw their own sample, so the step trains the same in one micro-batch
         # or two.
-        sampled_softmax=16384, sampled_softmax_iters=15000, sampled_softmax_tokens=32768,
-        # The drawn columns in proportion to each token's frequency (priority sampling): 4% fewer tokens to d12's
-        # final at 20M and lower at 80M than uniform draws, at the same tokens/s. (At 8,192 columns they do not
-        # help: the columns are then mostly the targets.)
-        sampled_softmax_draws="frequency",
+        # The columns are drawn in proportion to each token's frequency (priority sampling): 4% fewer tokens to
+        # d12's final at 20M and lower at 80M than uniform draws, at the same tokens/s.
+        sampled_softmax=16384, sampled_softmax_tokens=32768,
         # Trained and validated on rows of 4096 tokens (16 per micro-batch: the step in one; validation on
         # the training rows, so that shorter ones given on the command line are validated as they train): the
         # validation tokens are NoCap's, each scored with up to 4x the context, and NoCap's 1024-token rows are
@@ -330,7 +288,7 @@ RECIPES: dict[str, dict] = {
         sequence_length=4096, batch_size=16, val_sequence_length="train", val_batch_size=4,
         # The local layers attend within 64 tokens first, doubling to the full 256 at 65.6% of the steps: fewer
         # tokens to the same loss, at the cost of compiling each of the three windows.
-        window_start=64, window_iters=6560,
+        window_iters=6560,
         # Inductor's coordinate-descent tuning (NoCap's setting, d12's default) gains 0.4% tokens/s for 96 s
         # more compile: off. Its combo kernels save ~1.3 ms a step for ~30 s more: the step's first micro-batch
         # opens with dozens of tiny weight casts, which the GPU runs faster than the host launches them one by one.
@@ -339,7 +297,7 @@ RECIPES: dict[str, dict] = {
     # that paid on P100 together, and with the SwiGLU model: a one-cycle learning rate rising over the first 30%
     # of the steps (torch's OneCycleLR shape) and rows of 256 tokens doubling to 1024 over the first 20%. The
     # schedule stays NoCap's length: its lead was measured at 100M tokens only, not over a horizon curve.
-    "d12_nocap": dict(lr_schedule="one_cycle", warmup_iters=1430, curriculum_start=256, curriculum_iters=954),
+    "d12_nocap": dict(lr_schedule="one_cycle", warmup_iters=1430, curriculum_iters=954),
 }
 
 

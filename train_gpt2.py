@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+from kernels import notice
 from model_variants import RECIPES, VARIANTS, GPTConfig, config_fields, get_variant, with_overrides
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -62,7 +63,8 @@ NOCAP_TARGET_VAL_LOSS = 3.3821
 NOCAP_VAL_TOKENS = 1_048_576  # fixed so that every run is scored on exactly the same tokens
 NOCAP_VAL_ROW = 1024  # NoCap's validation rows: 64 batches of 16 x 1024
 OPTIMIZERS = ("adamw", "adamw8bit", "lion", "muon")
-# --sampled_softmax_draws frequency counts tokens in this much of the training data's start by default (two P100
+MUON_MOMENTUM = 0.95  # after --muon_momentum_warmup's rise from 0.85 (the modded-nanogpt lineage's)
+# The sampled softmax draws its columns by the token counts of this much of the training data's start (two P100
 # shards, part of one FineWeb shard): any token more frequent than one in a million is counted ~40 times. A fixed
 # amount, not whatever the shards present hold: the weights 1 + count smooth rare tokens by an amount that depends
 # on how many tokens are counted, and that moves the loss (P100 at 20M: counting 100M ended 0.034 higher).
@@ -75,6 +77,16 @@ def _parse_bool(text: str) -> bool:
     if text.lower() in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _parse_save_every(text: str) -> str:
+    try:
+        value = float(text[:-1]) if text.endswith("m") else int(text)
+    except ValueError:
+        value = -1
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected steps (500) or minutes (30m), got {text!r}")
+    return text
 
 
 def _parse_val_rows(text: str) -> int | str:
@@ -148,16 +160,14 @@ def add_batch_flags(p: argparse.ArgumentParser):
                    help="sequences per micro-batch per GPU; halve it (and double accumulation) if you run out of "
                         "memory")
     g.add_argument("--sequence_length", type=int, default=1024, help="tokens per sequence")
-    g.add_argument("--curriculum_start", type=int, default=0,
-                   help="sequence-length curriculum: train on rows of this many tokens first, doubling in equal "
-                        "stages up to --sequence_length at step --curriculum_iters; every micro-batch keeps its "
-                        "tokens and their order (more, shorter rows). 0: off")
-    g.add_argument("--curriculum_iters", type=int, default=0, help="steps until rows reach --sequence_length")
-    g.add_argument("--window_start", type=int, default=0,
-                   help="attention-window warmup: the local layers attend within this many tokens first, doubling "
-                        "in equal stages up to the model's --window at step --window_iters; evaluation always uses "
-                        "the full window. 0: off")
-    g.add_argument("--window_iters", type=int, default=0, help="steps until the local window reaches --window")
+    g.add_argument("--curriculum_iters", type=int, default=0,
+                   help="sequence-length curriculum: train on rows of a quarter of --sequence_length first, "
+                        "doubling at the halfway step and reaching --sequence_length at this step; every "
+                        "micro-batch keeps its tokens and their order (more, shorter rows). 0: off")
+    g.add_argument("--window_iters", type=int, default=0,
+                   help="attention-window warmup: the local layers attend within a quarter of the model's --window "
+                        "first, doubling at the halfway step and reaching --window at this step; evaluation always "
+                        "uses the full window. 0: off")
     g.add_argument("--grad_accumulation_steps", type=int, default=None,
                    help="micro-batches per optimizer step summed over all GPUs (NoCap semantics: divided by "
                         "the number of processes); default 32, or derived from --total_batch_size")
@@ -174,15 +184,14 @@ def add_optimizer_flags(g):
                         "weight matrices, AdamW on the rest (--learning_rate for the head, --embed_lr, --scalar_lr)")
     g.add_argument("--learning_rate", type=float, default=0.0018, help="peak AdamW learning rate")
     g.add_argument("--embed_lr", type=float, default=None,
-                   help="--optimizer muon: peak AdamW learning rate of untied input embeddings (default "
-                        "--learning_rate)")
+                   help="--optimizer muon: peak AdamW learning rate of the value-embedding and bigram tables "
+                        "(--value_embeds, --bigram_embed; default --learning_rate)")
     g.add_argument("--scalar_lr", type=float, default=None,
                    help="--optimizer muon: peak AdamW learning rate of gains and learned mixing scalars, which "
                         "get no weight decay (default --learning_rate)")
     g.add_argument("--muon_lr", type=float, default=0.02, help="peak Muon learning rate (--optimizer muon)")
-    g.add_argument("--muon_momentum", type=float, default=0.95, help="Muon momentum (--optimizer muon)")
     g.add_argument("--muon_momentum_warmup", type=int, default=0,
-                   help="raise Muon's momentum linearly from 0.85 to --muon_momentum over this many steps")
+                   help=f"raise Muon's momentum linearly from 0.85 to {MUON_MOMENTUM} over this many steps")
     g.add_argument("--normuon_beta2", type=float, default=0.0,
                    help="NorMuon (Li et al. 2025): divide each row of Muon's orthogonalized update (each column "
                         "of a wide matrix) by the root of a running mean, with this decay, of its mean square, "
@@ -210,25 +219,13 @@ def add_schedule_flags(g):
                         "linearly to 0 at step --layerdrop_iters (full depth after; never at evaluation)")
     g.add_argument("--layerdrop_iters", type=int, default=0, help="steps over which --layerdrop falls to 0")
     g.add_argument("--sampled_softmax", type=int, default=0,
-                   help="a training-only sampled softmax of K columns: for the first --sampled_softmax_iters "
-                        "steps the head scores each micro-batch against every token that is one of its targets "
-                        "plus others drawn up to K (--sampled_softmax_draws; each drawn column standing in, by a "
-                        "log-weight on its logit, for its share of those left out), so the head's products shrink "
-                        "to K / vocab of theirs. The logged training loss is then that softmax's estimate; evaluation "
-                        "always scores the full softmax. 0: off")
-    g.add_argument("--sampled_softmax_iters", type=int, default=0,
-                   help="steps the sampled softmax lasts (d12_fast: the whole schedule and its overtime); the "
-                        "full softmax trains after them")
-    g.add_argument("--sampled_softmax_draws", choices=("uniform", "frequency"), default="uniform",
-                   help="how the sampled softmax draws the columns that are no target: uniform, or in proportion "
-                        "to each token's count (plus one) in the training data's first "
-                        f"{FREQUENCY_COUNT_TOKENS // 1_000_000}M tokens, each drawn column then standing in for "
-                        "its own share of those left out (priority sampling): fewer draws go to tokens the "
-                        "model gives almost no probability")
-    g.add_argument("--sampled_softmax_count_tokens", type=int, default=FREQUENCY_COUNT_TOKENS,
-                   help="how many tokens at the start of the training data the frequency draws count: a fixed "
-                        "amount, so that the draws do not depend on how many shards are present (the +1 of each "
-                        "count weighs more the fewer tokens are counted)")
+                   help="a training-only sampled softmax of K columns: the head scores each micro-batch against "
+                        "every token that is one of its targets plus others up to K, drawn in proportion to each "
+                        "token's count (plus one) in the training data's first "
+                        f"{FREQUENCY_COUNT_TOKENS // 1_000_000}M tokens, each drawn column standing in, by a "
+                        "log-weight on its logit, for its share of those left out (priority sampling), so the "
+                        "head's products shrink to K / vocab of theirs. The logged training loss is then that "
+                        "softmax's estimate; evaluation always scores the full softmax. 0: off")
     g.add_argument("--sampled_softmax_tokens", type=int, default=0,
                    help="positions per sample of the sampled softmax: each run of this many positions of a "
                         "micro-batch is scored against its own columns (its own targets plus others drawn), so "
@@ -278,11 +275,9 @@ def add_run_flags(p: argparse.ArgumentParser):
                    help="let inductor launch independent small kernels of a graph as one (its horizontal fusion): "
                         "fewer launches where the host falls behind a fast GPU, as with the casts of every weight "
                         "at the start of a micro-batch (slower compile)")
-    g.add_argument("--save_every_minutes", type=float, default=30.0,
-                   help="also checkpoint when this many minutes have passed since the last save, so a crash costs "
-                        "at most that much (0: never by time)")
-    g.add_argument("--save_every", type=int, default=0,
-                   help="also checkpoint every N steps (a final checkpoint is always written)")
+    g.add_argument("--save_every", type=_parse_save_every, default="30m",
+                   help="also checkpoint every N steps (500), or once N minutes have passed since the last save "
+                        "(30m: a crash costs at most half an hour); 0: only the final checkpoint, always written")
     g.add_argument("--resume", default=None,
                    help="checkpoint path, or 'auto' for the newest checkpoint in the run directory")
     g.add_argument("--log_wandb", action="store_true", help="also log to Weights & Biases (pip install wandb)")
@@ -329,8 +324,7 @@ def check_run_flags(args):
             raise InputError(f"--{name} {getattr(args, name)} must be >= 1")
     if not 0 <= args.lr_floor <= 1:
         raise InputError(f"--lr_floor {args.lr_floor} must be a fraction of the peak, between 0 and 1")
-    for name in ("warmup_iters", "warmdown_iters", "val_loss_every", "save_every", "save_every_minutes",
-                 "overtime_steps"):
+    for name in ("warmup_iters", "warmdown_iters", "val_loss_every", "overtime_steps"):
         if getattr(args, name) < 0:
             raise InputError(f"--{name} {getattr(args, name)} must be >= 0")
     if args.lr_schedule == "trapezoid" and args.warmup_iters + args.warmdown_iters > args.num_iterations:
@@ -357,8 +351,6 @@ def check_run_flags(args):
     for name in ("learning_rate", "embed_lr", "scalar_lr", "muon_lr", "weight_decay"):
         if getattr(args, name) is not None and not 0 <= getattr(args, name) < math.inf:
             raise InputError(f"--{name} {getattr(args, name)} must be a finite number >= 0")
-    if not 0 <= args.muon_momentum < 1:
-        raise InputError(f"--muon_momentum {args.muon_momentum} must be in [0, 1)")
     if not 0 <= args.normuon_beta2 < 1:
         raise InputError(f"--normuon_beta2 {args.normuon_beta2} must be in [0, 1) (e.g. 0.95; 0: off)")
     if not 0 <= args.cautious_weight_decay < math.inf:
@@ -375,20 +367,14 @@ def check_run_flags(args):
 
 
 def check_doubling_flags(args, name: str, end_flag: str, end: int):
-    """--<name>_start and --<name>_iters of a schedule that doubles from the start value to `end` (the value of
-    end_flag): both or neither, the start a halving of the end, the last stage reached within the run."""
-    start, iters = getattr(args, f"{name}_start"), getattr(args, f"{name}_iters")
-    if start == 0:
-        if iters:
-            raise InputError(f"--{name}_iters needs --{name}_start (the first stage's value); pass both or neither")
-        return
-    doublings = end // start if 0 < start < end and end % start == 0 else 0
-    if doublings & (doublings - 1) or not doublings:
-        raise InputError(f"--{name}_start {start} must be {end_flag} {end} halved one or more times "
-                         f"(e.g. {end // 4}), so each stage doubles it")
-    if not 0 < iters <= args.num_iterations:
+    """--<name>_iters of a schedule that doubles from a quarter of `end` (the value of end_flag) to it: within
+    the run, and `end` a multiple of 4."""
+    iters = getattr(args, f"{name}_iters")
+    if not 0 <= iters <= args.num_iterations:
         raise InputError(f"--{name}_iters {iters}: pass the step (1 to --num_iterations {args.num_iterations}) "
-                         f"at which the schedule reaches {end_flag}")
+                         f"at which the schedule reaches {end_flag}, or 0 for none")
+    if iters and (end < 4 or end % 4):
+        raise InputError(f"--{name}_iters starts at a quarter of {end_flag} {end}: pass a multiple of 4")
 
 
 def check_sampled_softmax(args, config: GPTConfig):
@@ -397,10 +383,6 @@ def check_sampled_softmax(args, config: GPTConfig):
     if args.sampled_softmax < 0:
         raise InputError(f"--sampled_softmax {args.sampled_softmax}: pass how many columns to score (e.g. 16384), "
                          "or 0 for the full softmax")
-    if (args.sampled_softmax > 0) != (args.sampled_softmax_iters > 0):
-        raise InputError("--sampled_softmax and --sampled_softmax_iters go together: the sampled softmax of "
-                         "--sampled_softmax columns trains for --sampled_softmax_iters steps; pass both (> 0) "
-                         "or neither")
     micro_tokens, group = args.batch_size * args.sequence_length, args.sampled_softmax_tokens
     if group < 0:
         raise InputError(f"--sampled_softmax_tokens {group}: pass how many tokens each sample covers, or 0 for one "
@@ -411,19 +393,16 @@ def check_sampled_softmax(args, config: GPTConfig):
     if args.sampled_softmax and micro_tokens < group:
         notice(f"--sampled_softmax_tokens {group}: a micro-batch holds {micro_tokens:,} tokens, so each draws its "
                "own sample, for fewer tokens than that")
-    if args.sampled_softmax_count_tokens < 1:
-        raise InputError(f"--sampled_softmax_count_tokens {args.sampled_softmax_count_tokens}: pass how many training "
-                         f"tokens the frequency draws count (default {FREQUENCY_COUNT_TOKENS:,})")
     if args.sampled_softmax >= config.vocab_size:
         notice(f"--sampled_softmax {args.sampled_softmax} covers the whole vocabulary of {config.vocab_size}: "
                "the full softmax trains instead")
-        args.sampled_softmax = args.sampled_softmax_iters = 0
+        args.sampled_softmax = 0
 
 
 def check_window_warmup(args, config: GPTConfig):
-    if args.window_start and not config.window:
-        raise InputError(f"--window_start {args.window_start}: --model {args.model} has no local attention "
-                         "layers (window 0) to warm up; pass --window W, or drop --window_start")
+    if args.window_iters and not config.window:
+        raise InputError(f"--window_iters {args.window_iters}: --model {args.model} has no local attention "
+                         "layers (window 0) to warm up; pass --window W, or drop --window_iters")
     check_doubling_flags(args, "window", "--window", config.window)
 
 
@@ -454,21 +433,6 @@ def overtime_applies(args) -> bool:
 # Model: norms, rotary, the attention seam, MLP and MoE, blocks, GPT
 # =============================================================================
 
-_notices_shown: set[str] = set()
-
-
-# Notices are raised inside the model's forward too (a kernel that falls back). Traced by torch.compile,
-# the print would split the graph there, and a split inside the loop over blocks makes dynamo run the
-# rest of the forward uncompiled. Marked as a constant result, the call runs once while dynamo traces
-# and leaves nothing in the graph.
-@torch._dynamo.assume_constant_result
-def notice(message: str):
-    """A one-line notice on stderr, shown once per process (kernel fallbacks and the like)."""
-    if message not in _notices_shown and int(os.environ.get("RANK", "0")) == 0:
-        _notices_shown.add(message)
-        print(f"notice: {message}", file=sys.stderr, flush=True)
-
-
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype matmul-class ops (linear, SDPA, grouped mm) compute t in: autocast's where autocast is on.
     Elementwise ops promote (bf16 q times fp32 rotary tables is fp32), so t.dtype alone can mislead."""
@@ -476,27 +440,10 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
 
 
-def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    # Parameter-free, computed in fp32 and cast back, as NoCap does: the residual stream is fp32 but
-    # under autocast branch outputs arrive in bf16.
-    return F.rms_norm(x.float(), (x.size(-1),), eps=eps).type_as(x)
-
-
-class Norm(nn.Module):
-    """The `norm` choice: parameter-free RMSNorm (NoCap), RMSNorm with a gain, or LayerNorm without bias."""
-
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.kind, self.eps = config.norm, config.norm_eps
-        if self.kind != "rms":
-            self.weight = nn.Parameter(torch.ones(config.n_embd))
-
-    def forward(self, x):
-        if self.kind == "rms":
-            return rms_norm(x, self.eps)
-        if self.kind == "rms_gain":
-            return F.rms_norm(x.float(), (x.size(-1),), self.weight, self.eps).type_as(x)
-        return F.layer_norm(x.float(), (x.size(-1),), self.weight, None, self.eps).type_as(x)
+def rms_norm(x: torch.Tensor) -> torch.Tensor:
+    # Every norm of the model: parameter-free, computed in fp32 and cast back, as NoCap does: the residual
+    # stream is fp32 but under autocast branch outputs arrive in bf16.
+    return F.rms_norm(x.float(), (x.size(-1),), eps=1e-6).type_as(x)
 
 
 class Rotary(nn.Module):
@@ -504,7 +451,7 @@ class Rotary(nn.Module):
     not recomputed per forward: inside a compiled graph inductor would otherwise fuse the cos/sin
     math into every rotary kernel of every layer (a quarter of d12's step time)."""
 
-    def __init__(self, rotary_dim: int, block_size: int, base: float):
+    def __init__(self, rotary_dim: int, block_size: int, base: float = 10000.0):
         super().__init__()
         # fp32 throughout, exactly as NoCap builds its tables.
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
@@ -604,7 +551,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
     dividing n_head (grouped-query attention); returns (B, n_head, T, head_dim). window and chunked: see
     may_attend; docs (B, T): document numbers, attention only within a document (flex and manual; the
     block_mask given must include them); chunked_kernel: chunked windows in kernels.block_attention where it
-    takes q, k and v (GPTConfig.chunked_attention_kernel)."""
+    takes q, k and v (GPTConfig.fused_kernels)."""
     grouped = k.size(1) != q.size(1)
     if impl == "manual":  # the definition, kept as the reference every fused path is tested against
         if grouped:
@@ -624,7 +571,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=grouped)
         dense_mask_reason = "FlexAttention has no backward on CPU"
     elif window and chunked:
-        if chunked_kernel and block_kernel_runs_on(q.device):
+        if chunked_kernel and kernels.kernel_runs("block attention", q.device):
             q16, k16, v16 = (t.to(compute_dtype(q)) for t in (q, k, v))  # SDPA's autocast, which a kernel lacks
             if kernels.block_attention_kernel_takes(q16, k16, v16, window):
                 return kernels.block_attention(q16, k16, v16, window)
@@ -643,18 +590,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
-
-
-def block_kernel_runs_on(device: torch.device) -> bool:
-    """Whether chunked_attention_kernel's Triton kernel can run on `device` (see kernels.triton_runs_on). A CUDA GPU
-    without Triton (torch's Windows builds) gets a notice that the chunked layers run SDPA; the CPU runs SDPA
-    silently, as every CPU path does."""
-    if kernels.triton_runs_on(device):
-        return True
-    if device.type == "cuda":
-        notice("chunked_attention_kernel: Triton is not installed, so the chunked layers' attention runs SDPA (the "
-               "same math, slower); pip install triton")
-    return False
 
 
 def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, chunk: int) -> torch.Tensor:
@@ -726,7 +661,7 @@ class Attention(nn.Module):
             masking = masking or Masking()
             window = masking.window(self.window)
             y = causal_attention(q, k, v, c.attn_impl, window, masking.block_masks and masking.block_masks[window],
-                                 c.chunked_windows, masking.docs, c.chunked_attention_kernel)
+                                 c.chunked_windows, masking.docs, c.fused_kernels)
         B, _, T, _ = q.shape
         y = y.transpose(1, 2)  # (B, T, n_head, head_dim)
         return self.c_proj(y.reshape(B, T, c.n_embd))
@@ -757,9 +692,8 @@ class CausalSelfAttention(Attention):
         q = q.view(B, T, c.n_head, c.head_dim)
         k = k.view(B, T, c.kv_heads, c.head_dim)
         if c.qk_norm:
-            q, k = rms_norm(q, c.norm_eps), rms_norm(k, c.norm_eps)
-        if cos is not None:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = rms_norm(q), rms_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(B, T, c.kv_heads, c.head_dim)
         if self.v_mix is not None:
             v = self.v_mix[0] * v + self.v_mix[1] * v0
@@ -772,31 +706,30 @@ class CausalSelfAttention(Attention):
 class LatentAttention(Attention):
     """Multi-head latent attention (DeepSeek-V2 MLA). Keys and values are expanded from one
     kv_lora_rank-wide latent per token (the only per-token K/V state a cache would keep), plus
-    mla_rope_dim rotary key dimensions shared by all heads; rotary embedding touches only those
+    rotary_dim rotary key dimensions shared by all heads; rotary embedding touches only those
     decoupled dimensions, so the latent's up-projection could be folded into the query at inference."""
 
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__(config, layer)
-        self.nope_dim = config.head_dim - config.mla_rope_dim
+        self.nope_dim = config.head_dim - config.rotary_dim
         self.c_q = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        self.c_kv_down = nn.Linear(config.n_embd, config.kv_lora_rank + config.mla_rope_dim, bias=False)
+        self.c_kv_down = nn.Linear(config.n_embd, config.kv_lora_rank + config.rotary_dim, bias=False)
         self.c_kv_up = nn.Linear(config.kv_lora_rank, config.n_head * (self.nope_dim + config.head_dim), bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x, cos, sin, masking: Masking | None = None, cache: KVCache | None = None, v0=None, ve=None):
         B, T, C = x.shape
         c = self.config
-        q_nope, q_rope = self.c_q(x).view(B, T, c.n_head, c.head_dim).split((self.nope_dim, c.mla_rope_dim), dim=-1)
-        latent, k_rope = self.c_kv_down(x).split((c.kv_lora_rank, c.mla_rope_dim), dim=-1)
-        kv = self.c_kv_up(rms_norm(latent, c.norm_eps)).view(B, T, c.n_head, self.nope_dim + c.head_dim)
+        q_nope, q_rope = self.c_q(x).view(B, T, c.n_head, c.head_dim).split((self.nope_dim, c.rotary_dim), dim=-1)
+        latent, k_rope = self.c_kv_down(x).split((c.kv_lora_rank, c.rotary_dim), dim=-1)
+        kv = self.c_kv_up(rms_norm(latent)).view(B, T, c.n_head, self.nope_dim + c.head_dim)
         k_nope, v = kv.split((self.nope_dim, c.head_dim), dim=-1)
-        k_rope = k_rope.view(B, T, 1, c.mla_rope_dim)
-        if cos is not None:
-            q_rope, k_rope = apply_rotary(q_rope, cos, sin), apply_rotary(k_rope, cos, sin)
+        k_rope = k_rope.view(B, T, 1, c.rotary_dim)
+        q_rope, k_rope = apply_rotary(q_rope, cos, sin), apply_rotary(k_rope, cos, sin)
         q = torch.cat([q_nope, q_rope], dim=-1)  # (B, T, n_head, head_dim)
-        k = torch.cat([k_nope, k_rope.expand(B, T, c.n_head, c.mla_rope_dim)], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(B, T, c.n_head, c.rotary_dim)], dim=-1)
         if c.qk_norm:
-            q, k = rms_norm(q, c.norm_eps), rms_norm(k, c.norm_eps)
+            q, k = rms_norm(q), rms_norm(k)
         return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking, cache), None
 
 
@@ -818,59 +751,13 @@ class MLP(nn.Module):
         gated = 2 if self.act == "swiglu" else 1
         self.c_fc = nn.Linear(config.n_embd, gated * hidden, bias=False)
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=False)
-        self.fused = config.fused_relu2
+        self.fused = config.fused_kernels and self.act == "relu2"
 
     def forward(self, x):
         if self.fused and self.training:
-            return ReLU2MLP.apply(x, self.c_fc.weight, self.c_proj.weight, compute_dtype(x), fused_relu2_runs(x))
+            return kernels.ReLU2MLP.apply(x, self.c_fc.weight, self.c_proj.weight, compute_dtype(x),
+                                          kernels.kernel_runs("relu2 MLP", x.device))
         return self.c_proj(mlp_activation(self.c_fc(x), self.act))
-
-
-def fused_relu2_runs(x: torch.Tensor) -> bool:
-    """Whether fused_relu2's kernel runs on x's device. On CUDA it needs Triton and an sm_90+ GPU (H100): its
-    tiles take more shared memory than an A100's or an RTX 4090's; elsewhere a notice says the MLP's products
-    run in cuBLAS, with ReLU² in passes of their own (the same math, as fast as without the flag, and keeping
-    only the square). On CPU the kernel's custom op runs torch's products, which keeps it testable there."""
-    if x.device.type == "cpu":
-        return True
-    if x.device.type == "cuda" and kernels.triton_runs_on(x.device):
-        if torch.cuda.get_device_capability(x.device) >= (9, 0):
-            return True
-    name = torch.cuda.get_device_name(x.device) if x.device.type == "cuda" else x.device.type
-    notice(f"fused_relu2: its kernel needs Triton and an sm_90+ GPU (H100), not {name}; the MLP's products run in "
-           "cuBLAS, ReLU² in passes of their own (the same math)")
-    return False
-
-
-class ReLU2MLP(torch.autograd.Function):
-    """c_proj(relu(c_fc(x))²) with the ReLU² in the first product's epilogue and its derivative in the epilogue
-    of the backward's product through c_proj (kernels.relu2_product). Autograd's version passes over the
-    (tokens, hidden) activations once more each way. Saves only the square, which the backward's product
-    needs anyway: relu(c_fc(x)) is its square root, so the product c_fc(x) is never stored (autograd's version
-    keeps both). Products in `dtype` (bf16 under autocast); gradients returned in the inputs' dtypes.
-    Without the kernel (kernel False), the same contract in torch ops (kernels.relu2_product_torch), which
-    torch.compile traces: cuBLAS's products, ReLU² and its derivative in inductor's passes, still keeping only
-    the square."""
-
-    @staticmethod
-    def forward(ctx, x, w_fc, w_proj, dtype: torch.dtype, kernel: bool = True):
-        rows = x.to(dtype).reshape(-1, x.size(-1))
-        w_fc_c, w_proj_c = w_fc.to(dtype), w_proj.to(dtype)
-        product = kernels.relu2_product if kernel else kernels.relu2_product_torch
-        post = product(rows, w_fc_c.t())
-        ctx.save_for_backward(rows, w_fc_c, w_proj_c, post)
-        ctx.dtypes, ctx.product = (x.dtype, w_fc.dtype, w_proj.dtype), product
-        return (post @ w_proj_c.t()).view(*x.shape[:-1], -1)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        rows, w_fc_c, w_proj_c, post = ctx.saved_tensors
-        grad_rows = grad_out.reshape(-1, grad_out.size(-1)).to(w_proj_c.dtype)
-        grad_pre = ctx.product(grad_rows, w_proj_c, post)
-        grad_x = (grad_pre @ w_fc_c).view(*grad_out.shape[:-1], -1)
-        grad_w_fc, grad_w_proj = grad_pre.t() @ rows, grad_rows.t() @ post
-        x_dtype, w_fc_dtype, w_proj_dtype = ctx.dtypes
-        return grad_x.to(x_dtype), grad_w_fc.to(w_fc_dtype), grad_w_proj.to(w_proj_dtype), None, None
 
 
 class MoE(nn.Module):
@@ -889,7 +776,6 @@ class MoE(nn.Module):
         # (E, in, out) so a token block multiplies as x @ w; init as nn.Linear would: U(+-1/sqrt(fan_in)).
         self.w_in = nn.Parameter(torch.empty(E, d, gated * hidden).uniform_(-d ** -0.5, d ** -0.5))
         self.w_out = nn.Parameter(torch.empty(E, hidden, d).uniform_(-hidden ** -0.5, hidden ** -0.5))
-        self.shared = MLP(config, hidden) if config.moe_shared_expert else None
 
     def forward(self, x, use_grouped_mm: bool | None = None):
         """x: (B, T, d) -> (output (B, T, d), aux loss scalar, per-expert load (E,) as fractions)."""
@@ -922,17 +808,62 @@ class MoE(nn.Module):
         # Back in assignment order, each token's k expert outputs are adjacent: weight them by the gates and sum.
         out = PermuteRows.apply(out, inverse, order).view(-1, self.topk, d)
         combined = (out * top_probs.unsqueeze(-1).to(out.dtype)).sum(dim=1)
-        if self.shared is not None:
-            combined = combined + self.shared(tokens)
         return combined.view(B, T, d).type_as(x), aux, load
+
+
+def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm can run here: CUDA kernels take bf16 only (fp32 inputs, which the fp32
+    evaluation pass would give, fail), the CPU one fp32/bf16, and a compiled graph (traced through the op's
+    shape function, which also insists on bf16) bf16 only."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device_type == "cuda" or torch.compiler.is_compiling():
+        return dtype == torch.bfloat16
+    return dtype in (torch.float32, torch.bfloat16)
+
+
+@torch.compiler.disable
+def experts_one_by_one(routed, counts, w_in, w_out, act: str) -> torch.Tensor:
+    """The per-expert loop over token blocks grouped by expert (where torch._grouped_mm cannot run: the
+    fp32 evaluation pass on CUDA). Its block sizes depend on the data, so it stays out of compiled graphs
+    (inductor fails on an expert with no tokens: "0 not in VR[32768, 32768]")."""
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        block = routed[start: start + n]
+        out.append(mlp_activation(block @ w_in[e], act) @ w_out[e])
+        start += n
+    return torch.cat(out)
+
+
+class PermuteRows(torch.autograd.Function):
+    """x[order] for a permutation `order` whose inverse is given. Plain indexing's backward is a scatter-add
+    with atomics, since autograd cannot know the indices are distinct; a permutation's is the gather
+    grad[inverse]. The MoE moves every token through two of these per layer."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse):
+        ctx.save_for_backward(inverse, order)
+        return x[order]
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, order = ctx.saved_tensors
+        return PermuteRows.apply(grad, inverse, order), None, None
+
+
+def evaluation_compiles(config: GPTConfig, dtype: str) -> bool:
+    """Whether the evaluation pass in this precision traces as one graph. An MoE's does not in fp32: the
+    grouped matmul takes bf16 only, and the per-expert loop breaks the graph inside GPT.forward's loop over
+    the blocks, where dynamo gives up on the whole frame — for training's calls too, which from then on run
+    block by block (d12_moe then trains at three quarters of its speed). Such an evaluation runs eager."""
+    return not config.moe_experts or dtype == "bf16"
 
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        self.norm_attn, self.norm_mlp = Norm(config), Norm(config)
         self.attn = LatentAttention(config, layer) if config.kv_lora_rank else CausalSelfAttention(config, layer)
-        self.mlp = MoE(config) if layer in config.moe_block_indices else MLP(config)
+        self.mlp = MoE(config) if config.moe_experts else MLP(config)
         # NoCap scales only the attention branch, to keep the residual stream's variance in check.
         self.attn_scale = 1 / math.sqrt(2 * config.n_layer) if config.scale_attn_branch else 1.0
         # x0 shortcut: the block reads a learned blend of the stream and the embedding, starting at the stream.
@@ -945,12 +876,12 @@ class Block(nn.Module):
         causality and the layer's window (None: nothing)."""
         if self.x_mix is not None:
             x = self.x_mix[0] * x + self.x_mix[1] * x0
-        y, values = self.attn(self.norm_attn(x), cos, sin, masking, cache, v0, ve)
+        y, values = self.attn(rms_norm(x), cos, sin, masking, cache, v0, ve)
         x = x + self.attn_scale * y
         if isinstance(self.mlp, MoE):
-            y, aux, load = self.mlp(self.norm_mlp(x))
+            y, aux, load = self.mlp(rms_norm(x))
             return x + y, values, (aux, load)
-        return x + self.mlp(self.norm_mlp(x)), values, None
+        return x + self.mlp(rms_norm(x)), values, None
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -960,13 +891,13 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class SoftmaxSample(NamedTuple):
     """A training softmax over `columns` columns of the vocabulary instead of all of them (a sampled softmax):
-    every token that is a target of the micro-batch, and as many others as are left, drawn uniformly or, with
-    `log_weights` (vocab,), in proportion to exp(log_weights). `draws` (vocab,), uniform on [0, 1), decide
-    which others; (groups, vocab) splits the micro-batch's positions into that many equal runs, each scored
-    against its own columns as if it were a micro-batch of its own."""
+    every token that is a target of the micro-batch, and as many others as are left, drawn in proportion to
+    exp(log_weights) (vocab,). `draws` (vocab,), uniform on [0, 1), decide which others; (groups, vocab) splits
+    the micro-batch's positions into that many equal runs, each scored against its own columns as if it were a
+    micro-batch of its own."""
     columns: int
     draws: torch.Tensor
-    log_weights: torch.Tensor | None = None
+    log_weights: torch.Tensor
 
 
 def sampled_softmax_columns(targets: torch.Tensor, sample: SoftmaxSample, vocab: int
@@ -977,8 +908,8 @@ def sampled_softmax_columns(targets: torch.Tensor, sample: SoftmaxSample, vocab:
     by the K - U drawn ones, each weighted by the inverse of its chance of being drawn, i.e. a bias of the log
     of that: its expectation is the full softmax's normalizer, so the loss estimates the full one (from
     slightly below: the log of an average is at most the average of the logs).
-    Uniform draws weight each drawn column (V - U) / (K - U). Weighted draws are priority sampling (Duffield,
-    Lund and Thorup): token j's priority is w_j / u_j with u_j uniform on (0, 1], the K - U highest are drawn,
+    The draws are priority sampling (Duffield, Lund and Thorup): token j's priority is w_j / u_j with u_j
+    uniform on (0, 1], the K - U highest are drawn,
     and with tau the next priority, j was drawn with chance min(1, w_j / tau) given the others' priorities, so
     it is weighted max(1, tau / w_j). Where w follows how much probability the model gives each token, the
     tokens it makes likely are drawn for sure and weighted 1, and the estimate is far less noisy.
@@ -989,23 +920,21 @@ def sampled_softmax_columns(targets: torch.Tensor, sample: SoftmaxSample, vocab:
     flat = targets.reshape(-1)
     slot = torch.where(flat >= 0, flat, vocab)  # the ignored targets mark a spare slot
     is_target = torch.zeros(vocab + 1, device=flat.device).scatter_(0, slot, 1.0)[:vocab]
-    draws = sample.draws[:vocab]
-    if sample.log_weights is None:
-        columns = (2 * is_target + draws).topk(K, sorted=False).indices
-        n_targets = is_target.sum()
-        drawn_log_weight = ((vocab - n_targets) / (K - n_targets).clamp(min=1)).log()
-    else:
-        log_weights = sample.log_weights[:vocab]
-        # log priority, at most ~40 for counts below 1e9 and u >= 2^-24; a target's key is above any of them
-        keys = torch.where(is_target > 0, 1e4 + draws, log_weights - torch.log1p(-draws))
-        top = keys.topk(K + 1)
-        columns = top.indices[:K]
-        # tau: the first priority not drawn (a target's key where the targets fill the columns: nothing drawn)
-        drawn_log_weight = (top.values[K] - log_weights[columns]).clamp(min=0)
+    draws, log_weights = sample.draws[:vocab], sample.log_weights[:vocab]
+    # log priority, at most ~40 for counts below 1e9 and u >= 2^-24; a target's key is above any of them
+    keys = torch.where(is_target > 0, 1e4 + draws, log_weights - torch.log1p(-draws))
+    top = keys.topk(K + 1)
+    columns = top.indices[:K]
+    # tau: the first priority not drawn (a target's key where the targets fill the columns: nothing drawn)
+    drawn_log_weight = (top.values[K] - log_weights[columns]).clamp(min=0)
     bias = torch.where(is_target[columns] > 0, 0.0, drawn_log_weight)
     position = torch.full((vocab + 1,), -1, device=flat.device).scatter_(
         0, columns, torch.arange(K, device=flat.device))
     return columns, bias, position[slot].view_as(targets)
+
+
+MTP_WEIGHT = 0.3  # the extra targets' mean loss in the training objective (DeepSeek-V3 starts at 0.3)
+MOE_AUX_WEIGHT = 0.01  # the load-balancing loss's weight (the Switch Transformer's)
 
 
 class GPT(nn.Module):
@@ -1017,24 +946,19 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             h=nn.ModuleList([Block(config, layer) for layer in range(config.n_layer)]),
         ))
-        if config.pos == "learned":
-            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
-        self.norm_embed = Norm(config) if config.embed_norm else None
         # Value embeddings: table j feeds blocks j and n_layer - value_embeds + j (GPTConfig.value_embed_table).
         self.value_embeds = nn.ModuleList([nn.Embedding(config.vocab_size, config.kv_heads * config.head_dim)
                                            for _ in range(config.value_embeds)])
         # U-net: block n_layer-1-i adds skip_weights[.] * (block i's output) to its input, for i < n_layer // 2.
         self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2)) if config.unet_skips else None
-        self.norm_f = Norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.transformer.wte.weight = self.lm_head.weight  # keeps the Linear's init, as NoCap does
+        self.transformer.wte.weight = self.lm_head.weight  # tied; keeps the Linear's init, as NoCap does
         # Multi-token prediction: extra target t+1+j comes from its own projection of the final hidden
         # state into the shared head. The next-token logits never see these branches, and the extra
         # targets are only ever targets, so nothing from the future reaches the next-token prediction.
         self.mtp_proj = nn.ModuleList([nn.Linear(config.n_embd, config.n_embd, bias=False)
                                        for _ in range(config.mtp_k)])
-        self.rotary = Rotary(config.rotary_dim, config.block_size, config.rope_base) if config.pos == "rope" else None
+        self.rotary = Rotary(config.rotary_dim, config.block_size)
         # Built last, so that every other parameter starts as it does without it.
         self.bigram_embed = nn.Embedding(config.bigram_rows, config.n_embd) if config.bigram_embed else None
         self.bigram_mix = nn.Parameter(torch.full((config.n_layer,), 0.1)) if config.bigram_embed else None
@@ -1062,7 +986,7 @@ class GPT(nn.Module):
         With a sample, the softmax is over its columns only (sampled_softmax_columns; the logits at hand are
         the full softmax's, so they go unused), and the loss is that softmax's estimate; a sample of several
         groups splits the positions, in order, into that many equal runs and averages their losses.
-        A pass that builds a gradient takes HeadCrossEntropy under fused_head_loss (the same math, fewer passes
+        A pass that builds a gradient takes HeadCrossEntropy under fused_kernels (the same math, fewer passes
         over the logits), unless the logits are at hand."""
         stacked = targets.unsqueeze(-1)  # HeadCrossEntropy's targets per position: one column
         weights = torch.ones(1, device=h.device)
@@ -1086,10 +1010,10 @@ class GPT(nn.Module):
         if sample is not None:
             columns, bias, stacked = sampled_softmax_columns(stacked, sample, c.vocab_size)
             weight, logits = weight[columns], None
-        if logits is None and c.fused_head_loss and torch.is_grad_enabled():
-            check_head_loss_kernel(h.device)
-            return HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, stacked.reshape(-1, n_targets), weights,
-                                          c.logit_softcap, compute_dtype(h), bias)
+        if logits is None and c.fused_kernels and torch.is_grad_enabled():
+            kernels.kernel_runs("head loss", h.device)
+            return kernels.HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, stacked.reshape(-1, n_targets),
+                                                  weights, c.logit_softcap, compute_dtype(h), bias)
         if logits is None:
             logits = self.logits(h, weight)
             if bias is not None:
@@ -1111,13 +1035,13 @@ class GPT(nn.Module):
         start = cache.length if cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size {self.config.block_size}")
-        cos, sin = self.rotary(T, start) if self.rotary is not None else (None, None)
+        cos, sin = self.rotary(T, start)
         masking = self.masking(idx, cache, local_window)
-        x, moe_terms = self.run_blocks(self.embed(idx, start), idx, cos, sin, masking, cache, drop_blocks)
+        x, moe_terms = self.run_blocks(self.embed(idx), idx, cos, sin, masking, cache, drop_blocks)
         if cache is not None:
             cache.length += T
             cache.last_token = idx[:, -1:]
-        h = self.norm_f(x)
+        h = rms_norm(x)
         if targets is None:
             return self.logits(h[:, [-1], :]), None, {}  # inference: only the last position
         logits = self.logits(h) if return_logits else None  # (B, T, vocab)
@@ -1139,13 +1063,11 @@ class GPT(nn.Module):
             masking.block_masks = flex_block_masks(idx.size(1), windows, idx.device, c.chunked_windows, masking.docs)
         return masking
 
-    def embed(self, idx: torch.Tensor, start: int) -> torch.Tensor:
-        """The stream's start (B, T, n_embd): token (and learned position) embeddings, normed where asked."""
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The stream's start (B, T, n_embd): the token embeddings, normed where asked."""
         x = self.transformer.wte(idx)
-        if self.config.pos == "learned":
-            x = x + self.transformer.wpe(torch.arange(start, start + idx.size(1), device=idx.device))
-        if self.norm_embed is not None:
-            x = self.norm_embed(x)
+        if self.config.embed_norm:
+            x = rms_norm(x)
         if self.config.bf16_residual:
             x = x.to(compute_dtype(x))  # the rest of the stream follows: bf16 branches add to bf16
         return x
@@ -1196,14 +1118,14 @@ class GPT(nn.Module):
             mtp_losses = []
             for j, proj in enumerate(self.mtp_proj, start=1):
                 # Position t predicts token t+1+j, i.e. targets[t + j]; the last j positions have none.
-                mtp_losses.append(self.head_loss(self.norm_f(proj(h[:, :-j])), targets[:, j:])[0])
+                mtp_losses.append(self.head_loss(rms_norm(proj(h[:, :-j])), targets[:, j:])[0])
                 aux[f"mtp_loss_{j}"] = mtp_losses[-1].detach()
-            objective = objective + c.mtp_weight * torch.stack(mtp_losses).mean()
+            objective = objective + MTP_WEIGHT * torch.stack(mtp_losses).mean()
         if moe_terms:
             moe_aux = torch.stack([a for a, _ in moe_terms]).mean()
             aux["moe_aux_loss"] = moe_aux.detach()
             aux["moe_load"] = torch.stack([load for _, load in moe_terms]).mean(dim=0).detach()
-            objective = objective + c.moe_aux_weight * moe_aux
+            objective = objective + MOE_AUX_WEIGHT * moe_aux
         return objective, aux
 
     @torch.no_grad()
@@ -1258,121 +1180,6 @@ class GPT(nn.Module):
             if isinstance(module, MoE):
                 total += (module.w_in.numel() + module.w_out.numel()) // module.n_experts * module.topk
         return total + self.config.mtp_k * self.lm_head.weight.numel()
-
-
-# =============================================================================
-# Fast paths: each computes what a plain form above computes, faster, and a test pins it to that form
-# =============================================================================
-
-# --- The head's loss (GPT.head_loss): HeadCrossEntropy replaces cross_entropy(GPT.logits(h)) in training;
-# test_head_loss.py checks its loss and gradients against autograd through the logits.
-
-class HeadCrossEntropy(torch.autograd.Function):
-    """The training loss of the head in one piece: mean cross-entropy of the (softcapped) logits
-    cap * tanh(h @ w.T / cap) over the targets that are not -1, with the gradient w.r.t. the logits
-    computed in the forward pass (kernels.softcap_cross_entropy: a Triton kernel on CUDA that reads the
-    logits once, inductor's fusion of the same math elsewhere). Autograd's version keeps the (N, vocab)
-    logits and passes over them three more times in the backward (log-softmax's, tanh's and the cast's
-    backward); here the forward also runs the two products that carry that gradient back to h and w, and
-    keeps only their (N, d) and (V, d) results for the backward, which scales them. Products in `dtype` (bf16 under
-    autocast), the softmax in at least fp32. Shapes: h (N, d), w (V, d), targets (N, M): M targets per
-    position scored against the same logits (GPT.head_loss passes one), weights (M,), and bias (V,) or
-    None: a constant added to each column's softcapped logit (GPT.head_loss's sampled softmax).
-
-    Returns (objective, means): means (M,) is each target's mean loss over the positions that have it (not
-    differentiable), objective the weighted sum of those means.
-
-    The products run on the vocabulary padded with zero rows to a multiple of 64, the padded columns
-    masked out of the softmax: GPT-2's 50,257 is odd, which leaves every row of the logits unaligned and
-    sends cuBLAS to slower kernels (nanoGPT pads the embedding itself; here the parameters stay NoCap's)."""
-
-    @staticmethod
-    def forward(ctx, h, w, targets, weights, cap: float, dtype: torch.dtype, bias: torch.Tensor | None = None):
-        V = w.size(0)
-        h_c, w_c = h.to(dtype), F.pad(w.to(dtype), (0, 0, 0, -V % 64))
-        logits = h_c @ w_c.t()
-        counts = (targets != -1).sum(dim=0)  # (M,)
-        weights = weights.to(torch.promote_types(logits.dtype, torch.float32))
-        # The kernel's gradient sums the targets' terms with these weights, so that, divided by the first
-        # target's count in the backward, each term is its own target's mean.
-        target_weights = weights * counts[0] / counts.clamp(min=1)
-        if bias is not None:
-            bias = F.pad(bias, (0, logits.size(1) - V))  # the padded columns' are masked out anyway
-        losses, grad = kernels.softcap_cross_entropy(logits, targets, V, cap, target_weights, bias)
-        means = losses.sum(dim=0) / counts
-        ctx.mark_non_differentiable(means)
-        # The loss ends the graph, so its gradient is whole here up to the incoming scalar: the two products
-        # that carry it back run now, and the backward keeps their (N, d) and (V, d) results instead of the
-        # (N, V) gradient. The mean's 1/count scales those results, not the gradient.
-        grad_h = (grad @ w_c) / counts[0]
-        grad_w = (grad.t() @ h_c)[:V] / counts[0]
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.dtypes = (h.dtype, w.dtype)
-        return (weights * means).sum(), means
-
-    @staticmethod
-    def backward(ctx, grad_objective, grad_means):
-        grad_h, grad_w = ctx.saved_tensors
-        return ((grad_h * grad_objective).to(ctx.dtypes[0]), (grad_w * grad_objective).to(ctx.dtypes[1]),
-                None, None, None, None, None)
-
-
-def check_head_loss_kernel(device: torch.device):
-    """On CUDA the fused head loss wants its Triton kernel; without Triton (a torch build that does not bring
-    it) inductor's fusion of the same math runs instead, about 1.7x slower."""
-    if device.type == "cuda" and not kernels.triton_runs_on(device):
-        notice("fused_head_loss: Triton is not installed, so the head loss runs inductor's fusion of the same "
-               "math instead of the kernel (same result, slower); pip install triton")
-
-
-# --- The MoE's dispatch (MoE.forward): a grouped matmul over tokens sorted by expert, moved with permutation
-# gathers; test_mlp_moe.py checks it against the per-expert loop and one expert against the dense MLP.
-
-def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm can run here: CUDA kernels take bf16 only (fp32 inputs, which the fp32
-    evaluation pass would give, fail), the CPU one fp32/bf16, and a compiled graph (traced through the op's
-    shape function, which also insists on bf16) bf16 only."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if device_type == "cuda" or torch.compiler.is_compiling():
-        return dtype == torch.bfloat16
-    return dtype in (torch.float32, torch.bfloat16)
-
-
-@torch.compiler.disable
-def experts_one_by_one(routed, counts, w_in, w_out, act: str) -> torch.Tensor:
-    """The per-expert loop over token blocks grouped by expert (where torch._grouped_mm cannot run: the
-    fp32 evaluation pass on CUDA). Its block sizes depend on the data, so it stays out of compiled graphs
-    (inductor fails on an expert with no tokens: "0 not in VR[32768, 32768]")."""
-    out, start = [], 0
-    for e, n in enumerate(counts.tolist()):
-        block = routed[start: start + n]
-        out.append(mlp_activation(block @ w_in[e], act) @ w_out[e])
-        start += n
-    return torch.cat(out)
-
-
-class PermuteRows(torch.autograd.Function):
-    """x[order] for a permutation `order` whose inverse is given. Plain indexing's backward is a scatter-add
-    with atomics, since autograd cannot know the indices are distinct; a permutation's is the gather
-    grad[inverse]. The MoE moves every token through two of these per layer."""
-
-    @staticmethod
-    def forward(ctx, x, order, inverse):
-        ctx.save_for_backward(inverse, order)
-        return x[order]
-
-    @staticmethod
-    def backward(ctx, grad):
-        inverse, order = ctx.saved_tensors
-        return PermuteRows.apply(grad, inverse, order), None, None
-
-def evaluation_compiles(config: GPTConfig, dtype: str) -> bool:
-    """Whether the evaluation pass in this precision traces as one graph. An MoE's does not in fp32: the
-    grouped matmul takes bf16 only, and the per-expert loop breaks the graph inside GPT.forward's loop over
-    the blocks, where dynamo gives up on the whole frame — for training's calls too, which from then on run
-    block by block (d12_moe then trains at three quarters of its speed). Such an evaluation runs eager."""
-    return not config.moe_block_indices or dtype == "bf16"
 
 
 # =============================================================================
@@ -1834,14 +1641,6 @@ def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float
     return x.mT if tall else x
 
 
-def check_newton_schulz_kernels(device: torch.device):
-    """On CUDA, Muon's Newton-Schulz wants its two kernels; on GPUs they do not run on, cuBLAS computes its
-    products (the same math, with twice the multiply-adds in the two symmetric ones)."""
-    if device.type == "cuda" and not kernels.newton_schulz_kernels_run_on(device):
-        notice(f"muon: Newton-Schulz's kernels need Triton and an sm_90+ GPU (H100), not "
-               f"{torch.cuda.get_device_name(device)}; its products run in cuBLAS (the same math)")
-
-
 def muon_params(model: GPT) -> list[nn.Parameter]:
     """The hidden weight matrices Muon orthogonalizes: every Linear inside the blocks (attention, MLP,
     the MTP projections) but the MoE router. Embeddings, the head, gains and 3-D expert stacks stay with AdamW,
@@ -1868,13 +1667,11 @@ def make_optimizer(model: GPT, args, device: torch.device, compiled: bool = Fals
     if args.optimizer == "lion":
         return Optimizers([Lion(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)])
     hidden = muon_params(model)
-    check_newton_schulz_kernels(device)
+    kernels.kernel_runs("Newton-Schulz", device)
     taken = {id(p) for p in hidden}
-    # AdamW groups, each with its own peak: untied input, value and bigram embeddings, then vectors and scalars
-    # (gains, mixing weights, attention gates), then the rest (the head, routers, expert stacks).
-    embeddings = [] if model.config.tie_embeddings else [model.transformer.wte.weight]
-    embeddings += [model.transformer.wpe.weight] if model.config.pos == "learned" else []
-    embeddings += [table.weight for table in model.value_embeds]
+    # AdamW groups, each with its own peak: value and bigram embeddings, then vectors and scalars (mixing
+    # weights), then the rest (the tied head, routers, expert stacks).
+    embeddings = [table.weight for table in model.value_embeds]
     embeddings += [model.bigram_embed.weight] if model.bigram_embed is not None else []
     taken |= {id(p) for p in embeddings}
     scalars = [p for p in model.parameters() if p.ndim < 2 and id(p) not in taken]
@@ -1885,18 +1682,31 @@ def make_optimizer(model: GPT, args, device: torch.device, compiled: bool = Fals
               dict(params=scalars, lr=args.learning_rate if args.scalar_lr is None else args.scalar_lr,
                    weight_decay=0.0)]
     return Optimizers([
-        BatchedMuon(hidden, lr=args.muon_lr, momentum=args.muon_momentum,
+        BatchedMuon(hidden, lr=args.muon_lr, momentum=MUON_MOMENTUM,
                     weight_decay=args.cautious_weight_decay or args.weight_decay,
                     cautious=args.cautious_weight_decay > 0, compiled=compiled, normuon_beta2=args.normuon_beta2),
         torch.optim.AdamW([g for g in groups if g["params"]], **adamw),
     ])
 
 
-def muon_momentum_at(step: int, args) -> float:
-    """Muon momentum: 0.85 rising linearly to --muon_momentum over --muon_momentum_warmup steps."""
-    if step >= args.muon_momentum_warmup:
-        return args.muon_momentum
-    return 0.85 + (args.muon_momentum - 0.85) * step / args.muon_momentum_warmup
+class StepSettings(NamedTuple):
+    """What changes with the step, in one table (schedule_at): everything a training step reads from the
+    schedule. Step-counted flags set where each changes; --num_iterations alone re-sizes them (resized_schedule)."""
+    lr_scale: float  # every group's peak learning rate times this (lr_scale)
+    muon_momentum: float  # 0.85 rising linearly to MUON_MOMENTUM by --muon_momentum_warmup
+    row_length: int  # the curriculum: a quarter of --sequence_length doubling up to it by --curriculum_iters
+    local_window: int  # the window warmup: a quarter of the model's window doubling up to it by --window_iters
+    layerdrop: float  # LayerDrop's skip probability: --layerdrop falling linearly to 0 at --layerdrop_iters
+
+
+def schedule_at(step: int, args, config: GPTConfig) -> StepSettings:
+    warmup, drop_iters = args.muon_momentum_warmup, args.layerdrop_iters
+    return StepSettings(
+        lr_scale=lr_scale(step, args),
+        muon_momentum=MUON_MOMENTUM if step >= warmup else 0.85 + (MUON_MOMENTUM - 0.85) * step / warmup,
+        row_length=doubling_at(step, args.sequence_length, args.curriculum_iters),
+        local_window=doubling_at(step, config.window, args.window_iters),
+        layerdrop=args.layerdrop * (1 - step / drop_iters) if step < drop_iters else 0.0)
 
 
 def lr_scale(step: int, args) -> float:
@@ -1922,24 +1732,12 @@ def cosine_between(start: float, end: float, fraction: float) -> float:
     return end + (start - end) * (1 + math.cos(math.pi * fraction)) / 2
 
 
-def doubling_at(step: int, start: int, end: int, iters: int) -> int:
-    """A schedule's value at `step`: `start` doubled at equal intervals so that `end` is reached at step
-    `iters`, and `end` from then on (or throughout, with start 0)."""
-    if not start or step >= iters:
+def doubling_at(step: int, end: int, iters: int) -> int:
+    """A quarter of `end` until the halfway step to `iters`, half of it until `iters`, then `end` (throughout
+    where iters is 0): the curriculum's and the window warmup's stages."""
+    if step >= iters:
         return end
-    stages = (end // start).bit_length() - 1
-    return start << (step * stages // iters)
-
-
-def row_length_at(step: int, args) -> int:
-    """Training row length at `step` under the curriculum (--curriculum_start up to --sequence_length)."""
-    return doubling_at(step, args.curriculum_start, args.sequence_length, args.curriculum_iters)
-
-
-def local_window_at(step: int, args, config: GPTConfig) -> int:
-    """The local layers' attention window at `step` under the window warmup (--window_start up to the
-    model's window)."""
-    return doubling_at(step, args.window_start, config.window, args.window_iters)
+    return (end // 4) << (step * 2 // iters)
 
 
 def micro_batch_seed(seed: int, step: int, micro_step: int, rank: int = 0) -> int:
@@ -1949,20 +1747,14 @@ def micro_batch_seed(seed: int, step: int, micro_step: int, rank: int = 0) -> in
     return seed * 1_000_003 + step * 1_009 + micro_step + rank * 1_000_000_007
 
 
-def softmax_columns_at(step: int, args) -> int:
-    """The training softmax's columns at `step`: --sampled_softmax's until --sampled_softmax_iters, then 0
-    (the full vocabulary)."""
-    return args.sampled_softmax if step < args.sampled_softmax_iters else 0
-
-
-def softmax_sample(step: int, micro_step: int, args, vocab: int, env, log_weights: torch.Tensor | None = None,
+def softmax_sample(step: int, micro_step: int, args, vocab: int, env, log_weights: torch.Tensor,
                    micro_tokens: int = 0) -> SoftmaxSample | None:
     """The sampled softmax of a micro-batch of micro_tokens tokens at `step`, or None for the full softmax;
-    log_weights: the draws' (draw_log_weights), None for uniform draws. With --sampled_softmax_tokens, one
+    log_weights: the draws' (draw_log_weights). With --sampled_softmax_tokens, one
     group's draws per that many tokens, numbered on from the step's earlier micro-batches: the step draws the
     same however its micro-batches are sized. The draws depend only on (seed, step, group, rank), so a resumed
     run draws what the uninterrupted one drew."""
-    columns = softmax_columns_at(step, args)
+    columns = args.sampled_softmax
     if not columns:
         return None
     group = args.sampled_softmax_tokens
@@ -1975,31 +1767,21 @@ def softmax_sample(step: int, micro_step: int, args, vocab: int, env, log_weight
 
 
 def draw_log_weights(args, loader: TokenLoader) -> torch.Tensor | None:
-    """The log-weights of --sampled_softmax_draws frequency: log(1 + each token's count in the training data's
-    first --sampled_softmax_count_tokens tokens), the same on every process and after a resume; None for uniform draws
-    or without a sampled softmax."""
-    if not args.sampled_softmax or args.sampled_softmax_draws == "uniform":
+    """The sampled softmax's log-weights: log(1 + each token's count in the training data's first
+    FREQUENCY_COUNT_TOKENS tokens), the same on every process and after a resume; None without a sampled softmax."""
+    if not args.sampled_softmax:
         return None
-    counts = loader.token_counts(args.sampled_softmax_count_tokens)
+    counts = loader.token_counts(FREQUENCY_COUNT_TOKENS)
     return torch.from_numpy(np.log1p(counts)).float().to(loader.device)
 
 
-def layerdrop_at(step: int, args) -> float:
-    """LayerDrop's skip probability at `step`: --layerdrop falling linearly to 0 at --layerdrop_iters."""
-    if step >= args.layerdrop_iters:
-        return 0.0
-    return args.layerdrop * (1 - step / args.layerdrop_iters)
-
-
-
-def blocks_to_drop(step: int, micro_step: int, args, n_layer: int) -> tuple[int, ...]:
-    """The blocks a micro-batch skips: each block but the first independently with layerdrop_at(step). The draw
+def blocks_to_drop(step: int, micro_step: int, seed: int, p: float, n_layer: int) -> tuple[int, ...]:
+    """The blocks a micro-batch skips: each block but the first independently with probability p. The draw
     depends only on (seed, step, micro_step), so every process skips the same blocks and a resumed run draws
     what the uninterrupted one drew."""
-    p = layerdrop_at(step, args)
     if p == 0:
         return ()
-    generator = torch.Generator().manual_seed(micro_batch_seed(args.seed, step, micro_step))
+    generator = torch.Generator().manual_seed(micro_batch_seed(seed, step, micro_step))
     draws = torch.rand(n_layer, generator=generator)
     return tuple(i for i in range(1, n_layer) if draws[i] < p)
 
@@ -2125,7 +1907,7 @@ class StepMeter:
 
 # 3: GPTConfig without fp8_head, fp8_mlp and attn_gate; 2: the digest of the contents travels inside the file (1: in
 # a .sha256 file beside it)
-CHECKPOINT_FORMAT = 3
+CHECKPOINT_FORMAT = 4
 FINISHED_STATUSES = ("reached_target", "completed", "missed_target")
 LOCK_NAME = "run.lock"
 
@@ -2657,20 +2439,14 @@ def report_sampled_softmax(args, config: GPTConfig, loader: TokenLoader, log: Ru
         group = 0  # a sample per micro-batch
     scope = f"first {group:,} tokens" if group else "first micro-batch"
     distinct = len(torch.unique(loader.sample_rows(loader.B).flatten()[:group or None]))
-    draws = args.sampled_softmax_draws
-    if draws == "frequency":
-        counted = min(args.sampled_softmax_count_tokens, loader.total_tokens)
-        draws = f"frequency draws, by the counts in the first {counted:,} training tokens"
-    else:
-        draws += " draws"
-    log.print(f"sampled softmax: {K:,} of {config.vocab_size:,} columns ({draws}) for the first "
-              f"{args.sampled_softmax_iters:,} steps, against the {distinct:,} distinct tokens of the {scope}; "
+    counted = min(FREQUENCY_COUNT_TOKENS, loader.total_tokens)
+    log.print(f"sampled softmax: {K:,} of {config.vocab_size:,} columns (drawn by the counts in the first "
+              f"{counted:,} training tokens), against the {distinct:,} distinct tokens of the {scope}; "
               "their logged training loss is that softmax's estimate of the full one (evaluation always scores the "
               "full softmax)")
-    if args.sampled_softmax_draws == "frequency" and loader.total_tokens < args.sampled_softmax_count_tokens:
-        notice(f"--sampled_softmax_draws frequency: the training data holds {loader.total_tokens:,} tokens, fewer "
-               f"than the {args.sampled_softmax_count_tokens:,} of --sampled_softmax_count_tokens, so its draws "
-               "differ from a run on more data")
+    if loader.total_tokens < FREQUENCY_COUNT_TOKENS:
+        notice(f"--sampled_softmax: the training data holds {loader.total_tokens:,} tokens, fewer than the "
+               f"{FREQUENCY_COUNT_TOKENS:,} whose counts weigh the draws, so its draws differ from a run on more data")
     if distinct > K:
         notice(f"--sampled_softmax {K}: {distinct:,} distinct tokens in the {scope}, more than the columns, so "
                "the positions whose target is left out are not trained on; raise --sampled_softmax above them or "
@@ -2770,7 +2546,7 @@ def compile_model(args, env: Distributed, raw_model: GPT, compiled: bool) -> nn.
         raw_model.head_loss = torch.compile(raw_model.head_loss, dynamic=False)
     elif compiled:
         # A graph per row length and window: their few stages are known, and static shapes compile best.
-        model = torch.compile(raw_model, dynamic=False if args.curriculum_start or args.window_start else None)
+        model = torch.compile(raw_model, dynamic=False if args.curriculum_iters or args.window_iters else None)
     if env.world_size > 1:
         # A skipped block's parameters get no gradient in that micro-batch: DDP must look for them.
         model = nn.parallel.DistributedDataParallel(
@@ -2835,21 +2611,20 @@ def describe_run(run: Run):
         report_sampled_softmax(args, config, loader, run.log)
 
 
-def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
-    """Optimizer step number step + 1 over the run's micro-batches at `scale` × each group's peak learning rate,
-    with the curriculum's row length, the window warmup's local window, the
-    sampled softmax and LayerDrop's skipped blocks for that step. Returns the mean next-token loss (a device
-    tensor) and the mean of each auxiliary term the model reports (MTP losses, MoE balance and load)."""
+def train_step(run: Run, step: int, settings: StepSettings) -> tuple[torch.Tensor, dict]:
+    """Optimizer step number step + 1 over the run's micro-batches with the schedule's settings for it (its
+    learning rate, row length, local window and LayerDrop) and the sampled softmax's draws. Returns the mean
+    next-token loss (a device tensor) and the mean of each auxiliary term the model reports (MTP losses, MoE
+    balance and load)."""
     step_loss = torch.zeros((), device=run.env.device)
     aux_means: dict[str, torch.Tensor] = {}
-    rows = row_length_at(step, run.args)
-    window = local_window_at(step, run.args, run.config)
+    rows, window = settings.row_length, settings.local_window
     accumulation = run.accumulation
     for micro_step in range(accumulation):
         x, y = run.train_loader.next_batch()  # (B, T)
         if rows != x.size(1):  # the same tokens in the same order as (B * T / rows, rows)
             x, y = x.reshape(-1, rows), y.reshape(-1, rows)
-        drop = blocks_to_drop(step, micro_step, run.args, run.config.n_layer)
+        drop = blocks_to_drop(step, micro_step, run.args.seed, settings.layerdrop, run.config.n_layer)
         sample = softmax_sample(step, micro_step, run.args, run.config.vocab_size, run.env, run.draw_log_weights,
                                 x.numel())
         # DDP all-reduces gradients only on the last micro-batch.
@@ -2864,7 +2639,7 @@ def train_step(run: Run, step: int, scale: float) -> tuple[torch.Tensor, dict]:
         step_loss += aux.pop("next_token_loss") / accumulation
         for name, value in aux.items():
             aux_means[name] = aux_means.get(name, 0) + value.float() / accumulation
-    run.optimizer.set_lr_scale(scale)
+    run.optimizer.set_lr_scale(settings.lr_scale)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     if run.env.world_size > 1:
@@ -2905,9 +2680,9 @@ def warm_up_steps(args, config: GPTConfig) -> list[int]:
     stage of the curriculum or the window warmup, and at the sampled softmax's end (each row length, window
     and softmax is a graph of its own), among the steps the run can train (its schedule and any overtime)."""
     def shape(step):
-        return row_length_at(step, args), local_window_at(step, args, config), softmax_columns_at(step, args)
+        return schedule_at(step, args, config)[2:4]  # the row length and the local window
     trainable = args.num_iterations + (args.overtime_steps if overtime_applies(args) else 0)
-    last_change = max(args.curriculum_iters, args.window_iters, args.sampled_softmax_iters)
+    last_change = max(args.curriculum_iters, args.window_iters)
     steps = [0]
     for step in range(1, min(last_change, trainable - 1) + 1):
         if shape(step) != shape(step - 1):
@@ -2927,7 +2702,7 @@ def warm_up_compile(run: Run) -> float:
     breaks_before = graph_breaks()
     try:
         for step in warm_up_steps(run.args, run.config):
-            train_step(run, step, 1.0)
+            train_step(run, step, schedule_at(step, run.args, run.config)._replace(lr_scale=1.0))
     except torch.OutOfMemoryError:  # the first place a micro-batch too large for the GPU shows
         raise out_of_memory("in the compile warm-up's training steps", loader.B, loader.T) from None
     # LayerDrop can leave a block out of every warm-up step, and Muon compiles its update only for shapes whose
@@ -3036,19 +2811,19 @@ def timed_step(run: Run, step: int) -> tuple[float, torch.Tensor, dict, float]:
     """Optimizer step number step + 1 at the schedule's learning rate and momentum, timed between two device
     synchronizations: (seconds, mean loss, auxiliary terms, the logged learning rate)."""
     args = run.args
-    scale = lr_scale(step, args)
+    settings = schedule_at(step, args, run.config)
     if args.optimizer == "muon":
-        run.optimizer.set_momentum(muon_momentum_at(step, args))
+        run.optimizer.set_momentum(settings.muon_momentum)
     synchronize(run.env.device)
     t0 = time.perf_counter()
     try:
-        step_loss, aux = train_step(run, step, scale)
+        step_loss, aux = train_step(run, step, settings)
     except torch.OutOfMemoryError:
         raise out_of_memory(f"in step {step + 1}", args.batch_size, args.sequence_length) from None
     synchronize(run.env.device)
     step_s = time.perf_counter() - t0
     run.train_time_s += step_s
-    return step_s, step_loss, aux, args.learning_rate * scale  # logged: the AdamW peak times the schedule
+    return step_s, step_loss, aux, args.learning_rate * settings.lr_scale  # logged: the AdamW peak times the schedule
 
 
 def overtime_after(args, val_loss: float, emit) -> int:
@@ -3136,8 +2911,9 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
     progress = progress_bar(run, final_step)
     emit = progress.write if progress is not None else run.log.print
     step, last_save = run.start_step, time.monotonic()
+    save_steps, save_minutes = checkpoint_interval(args.save_every)
     while True:
-        minutes_due = 0 < args.save_every_minutes <= (time.monotonic() - last_save) / 60
+        minutes_due = 0 < save_minutes <= (time.monotonic() - last_save) / 60
         signum, minutes_due = agree(env, stop.signum, int(minutes_due))  # every rank acts at the same step
         if signum:
             outcome.status = "interrupted"
@@ -3169,10 +2945,9 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
             if args.target_val_loss > 0:
                 report_missed_target(args, outcome, step - scheduled_end, emit)
             break
-        if step > run.start_step and (minutes_due or (args.save_every and step % args.save_every == 0)):
+        if step > run.start_step and (minutes_due or (save_steps and step % save_steps == 0)):
             save_checkpoint(run, step, evaluated)
             last_save = time.monotonic()
-
         step_s, step_loss, aux, lr = timed_step(run, step)
         train_loss = record_step(run, meter, step, (step_s, step_loss, aux, lr), final_step, progress, emit)
         step = outcome.step = step + 1
@@ -3184,6 +2959,11 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
         save_checkpoint(run, step, evaluated)
     if progress is not None:
         progress.close()
+
+
+def checkpoint_interval(save_every: str) -> tuple[int, float]:
+    """--save_every as (steps, minutes) between periodic checkpoints, the one it does not count in 0."""
+    return (0, float(save_every[:-1])) if save_every.endswith("m") else (int(save_every), 0.0)
 
 
 def report_divergence(env: Distributed, loss: float, step: int):
@@ -3214,8 +2994,8 @@ def record_step(run: Run, meter: StepMeter, step: int, trained: tuple, final_ste
     metrics.jsonl, the progress bar or a line, and the eta once the step time has settled. Returns its loss."""
     args = run.args
     step_s, step_loss, aux, lr = trained
-    tokens_per_s, mfu = meter.step(step_s, row_length_at(step, args), local_window_at(step, args, run.config),
-                                   softmax_columns_at(step, args))
+    settings = schedule_at(step, args, run.config)
+    tokens_per_s, mfu = meter.step(step_s, settings.row_length, settings.local_window, args.sampled_softmax)
     done = step + 1
     if len(meter.step_seconds) == 10 and done < final_step:  # once the step time has settled
         emit(meter.eta_line(final_step - done))
@@ -3301,7 +3081,7 @@ def report_input_errors(action) -> int:
 
 # Flags counted in optimizer steps: the schedule's shape, which --num_iterations alone re-sizes (resized_schedule).
 SCHEDULE_STEP_FLAGS = ("warmup_iters", "warmdown_iters", "muon_momentum_warmup", "val_loss_every", "curriculum_iters",
-                       "window_iters", "layerdrop_iters", "sampled_softmax_iters", "overtime_steps")
+                       "window_iters", "layerdrop_iters", "overtime_steps")
 
 
 def given_flags(parser: argparse.ArgumentParser, argv) -> set[str]:

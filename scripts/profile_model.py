@@ -29,12 +29,12 @@ from torch.autograd import DeviceType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from train_gpt2 import (GPT, MLP, ArgumentParser, Block, CausalSelfAttention, InputError,  # noqa: E402
-                        LatentAttention, MoE, Norm, SoftmaxSample, TokenLoader, add_model_flags,
+                        LatentAttention, MoE, SoftmaxSample, TokenLoader, add_model_flags,
                         check_sampled_softmax, configure_compile, draw_log_weights, make_optimizer, parse_args,
                         pick_device, report_input_errors, resolve_model_config, synchronize)
 
-PARTS = ("embedding", "attention projections", "attention core", "MLP / MoE", "norms", "head + loss",
-         "residual adds & other", "optimizer", "data loading")
+PARTS = ("embedding", "attention projections", "attention core", "MLP / MoE", "head + loss",
+         "norms, adds & other", "optimizer", "data loading")
 
 
 def part_of(name: str, module: nn.Module, parent: nn.Module | None) -> str | None:
@@ -47,12 +47,10 @@ def part_of(name: str, module: nn.Module, parent: nn.Module | None) -> str | Non
         return "attention projections"
     if isinstance(module, (MLP, MoE)) or isinstance(parent, (MLP, MoE)):
         return "MLP / MoE"
-    if isinstance(module, Norm):
-        return "norms"
     if name == "lm_head" or isinstance(module, GPT) or name.startswith("mtp_proj"):
         return "head + loss"  # GPT's own time: the loss, the head's softcap, MTP terms
     if isinstance(module, Block):
-        return "residual adds & other"
+        return "norms, adds & other"  # the norms are parameter-free functions, not modules
     return None  # containers (ModuleList, ModuleDict) add nothing of their own
 
 
@@ -115,7 +113,7 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
     # The head the model trains with: its recipe's sampled softmax unless --sampled_softmax says otherwise, checked
     # as the trainer checks it (columns that span the vocabulary leave the full softmax).
     if args.sampled_softmax is not None:
-        recipe.sampled_softmax, recipe.sampled_softmax_iters = args.sampled_softmax, int(args.sampled_softmax > 0)
+        recipe.sampled_softmax = args.sampled_softmax
     check_sampled_softmax(recipe, config)
     columns = recipe.sampled_softmax
     B, T = args.batch_size, args.sequence_length
@@ -129,10 +127,10 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
         def next_batch():
             window = torch.randint(0, config.vocab_size, (B, T + 1), device=device)
             return window[:, :-1], window[:, 1:]
-    # The recipe's draws. Frequency-weighted ones weigh each token by its count in --input_bin's first tokens, or
-    # every token alike on random tokens, which are all equally frequent: the same work either way.
+    # The draws weigh each token by its count in --input_bin's first tokens, or every token alike on random
+    # tokens, which are all equally frequent: the same work either way.
     log_weights = None
-    if columns and recipe.sampled_softmax_draws == "frequency":
+    if columns:
         log_weights = (draw_log_weights(recipe, loader) if args.input_bin
                        else torch.zeros(config.vocab_size, device=device))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_cuda)

@@ -31,7 +31,7 @@ for model in "${models[@]}"; do
   "$PYTHON" train_gpt2.py --model "$model" \
     --input_bin "$data/mix_train_00000[12].bin" --input_val_bin "$data/mix_val_000000.bin" \
     --num_iterations 40 --warmup_iters 4 --warmdown_iters 4 --val_loss_every 0 --val_tokens 16384 \
-    --target_val_loss 0 --window_start 0 --window_iters 0 "${cap[@]}" --no-coordinate_descent_tuning \
+    --target_val_loss 0 --window_iters 0 "${cap[@]}" --no-coordinate_descent_tuning \
     --output_dir "$output_dir" --run_name "$model" "$@"
   runs+=("$output_dir/$model")
 done

@@ -20,6 +20,7 @@ if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED_DATA / "tiktoken").is_dir(
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED_DATA / "tiktoken")
 
 from model_variants import GPTConfig  # noqa: E402
+import kernels  # noqa: E402
 import train_gpt2  # noqa: E402
 from train_gpt2 import write_shard  # noqa: E402
 
@@ -30,7 +31,7 @@ SMALL_VOCAB = 256  # synthetic runs override vocab_size so the lm_head stays che
 def fresh_notices():
     """Each test starts with no notice shown: the trainer shows each once per process, and a test that checks
     one must not depend on which tests ran before it."""
-    train_gpt2._notices_shown.clear()
+    kernels._notices_shown.clear()
 
 
 def make_shards(directory: Path, n_train: int = 2, train_tokens: int = 20_000, val_tokens: int = 9_000,
@@ -76,7 +77,7 @@ def shrink(config: GPTConfig, **changes) -> GPTConfig:
     """The same idea at test size: 2 layers, width 64, 4 heads, vocab 128."""
     small = replace(config, n_layer=2, n_head=4, n_embd=64, vocab_size=128, block_size=64,
                     n_kv_head=min(config.n_kv_head, 2), kv_lora_rank=16 if config.kv_lora_rank else 0,
-                    mla_rope_dim=8, window=8 if config.window else 0)
+                    window=8 if config.window else 0)
     return replace(small, **changes)
 
 
@@ -104,7 +105,6 @@ def count_compiles(monkeypatch) -> tuple:
     frames compiled by the end of each compile warm-up. Returns (counter, frames after each warm-up); a run
     whose counter.frame_count still equals the warm-up's compiled nothing in its timed steps."""
     import torch._dynamo.testing
-    import train_gpt2
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
     real_compile, real_warm_up, after_warm_up = torch.compile, train_gpt2.warm_up_compile, []

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kernels
-from model_variants import D12, TINY, VARIANTS, with_overrides
+from model_variants import D12, TINY, with_overrides
 from train_gpt2 import GPT, causal_attention, causal_mask, compute_dtype
 
 from conftest import REPO, next_token_logit_grads, shrink
@@ -143,7 +143,7 @@ def test_chunked_attention_kernel_trains_as_sdpa_does_and_compiles_whole(tmp_pat
         runs = {{}}
         for flag in (False, True):
             torch.manual_seed(0)
-            model = GPT(with_overrides(CHUNKED, chunked_attention_kernel=flag))
+            model = GPT(with_overrides(CHUNKED, fused_kernels=flag))
             idx = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
             with torch.autocast("cpu", torch.bfloat16):
                 loss = model(idx, idx)[1]
@@ -178,28 +178,10 @@ def test_chunked_attention_kernel_falls_back_to_sdpa_where_it_cannot_run(monkeyp
     monkeypatch.setattr(kernels, "block_attention", lambda *args: pytest.fail("the kernel ran"))
     torch.manual_seed(0)
     plain = GPT(CHUNKED)
-    flagged = GPT(with_overrides(CHUNKED, chunked_attention_kernel=True))
+    flagged = GPT(with_overrides(CHUNKED, fused_kernels=True))
     flagged.load_state_dict(plain.state_dict())
     idx = torch.randint(0, 64, (2, 64))
     torch.testing.assert_close(flagged(idx, idx)[1], plain(idx, idx)[1], rtol=0, atol=0)
-
-
-def test_a_gpu_without_triton_runs_the_chunked_layers_through_sdpa_with_one_notice(monkeypatch, capsys):
-    from train_gpt2 import block_kernel_runs_on
-    monkeypatch.setattr(kernels, "triton", None)
-    for _ in range(3):
-        assert not block_kernel_runs_on(torch.device("cuda"))
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["notice: chunked_attention_kernel: Triton is not installed, so the chunked layers' attention runs "
-                   "SDPA (the same math, slower); pip install triton"]
-    assert not block_kernel_runs_on(torch.device("cpu")) and capsys.readouterr().err == ""
-
-
-def test_chunked_attention_kernel_needs_chunked_windows_through_sdpa():
-    for changes in (dict(window_kind="sliding"), dict(window=0), dict(attn_impl="flex")):
-        with pytest.raises(ValueError, match="chunked_attention_kernel runs the chunked local layers' attention"):
-            with_overrides(CHUNKED, chunked_attention_kernel=True, **changes)
-    assert VARIANTS["d12_fast"].chunked_attention_kernel and not VARIANTS["d12"].chunked_attention_kernel
 
 
 def test_sdpa_with_a_window_falls_back_with_one_notice(capsys):
@@ -230,7 +212,7 @@ def test_compute_dtype_is_autocasts_dtype_where_autocast_is_on():
 
 
 def test_mla_compresses_kv_through_the_latent():
-    config = shrink(D12, kv_lora_rank=16, mla_rope_dim=8)
+    config = shrink(D12, kv_lora_rank=16)
     attn = GPT(config).transformer.h[0].attn
     assert attn.c_kv_down.weight.shape == (16 + 8, 64)  # latent + shared rotary key
     assert attn.c_kv_up.weight.shape == (4 * (8 + 16), 16)  # per head: rotary-free key part + value
@@ -274,7 +256,7 @@ def test_with_doc_mask_a_document_is_scored_as_if_it_were_its_own_row(window, ki
     # gets at the start of a row of its own (to the fp32 rotary tables' rounding): nothing before its DOC
     # token reaches it. (Chunked blocks are aligned to the row: the documents start on block boundaries here.)
     torch.manual_seed(0)
-    config = with_overrides(TINY, vocab_size=64, n_layer=2, attn_impl="manual", doc_mask=True, doc_token=DOC,
+    config = with_overrides(TINY, vocab_size=64, n_layer=2, attn_impl="manual", doc_mask=True,
                             window=window, window_kind=kind, window_pattern="LG" if window else "L")
     model = GPT(config).double().eval()
     idx = rows_with_documents((16, 16), (8, 24))
@@ -304,7 +286,7 @@ def test_flex_and_the_dense_fallback_keep_to_documents_as_manual_does(window, ch
 
 def test_a_doc_mask_model_trains_through_flex_as_through_manual_and_decodes_without_the_cache():
     torch.manual_seed(0)
-    config = with_overrides(TINY, vocab_size=64, doc_mask=True, doc_token=DOC, window=8, window_pattern="LG",
+    config = with_overrides(TINY, vocab_size=64, doc_mask=True, window=8, window_pattern="LG",
                             window_kind="chunked", attn_impl="manual")
     manual = GPT(config).double()
     flex = GPT(with_overrides(config, attn_impl="flex")).double()
@@ -332,10 +314,10 @@ def test_a_doc_mask_run_trains_and_records_the_setting(tmp_path, shards, capsys)
     import json
     from conftest import tiny_run_args
     from train_gpt2 import main
-    extra = ["--doc_mask", "true", "--attn_impl", "flex", "--doc_token", "7", "--window", "8",
+    extra = ["--doc_mask", "true", "--attn_impl", "flex", "--window", "8",
              "--window_kind", "chunked"]
     assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 0
     capsys.readouterr()
     config = json.loads((tmp_path / "run" / "config.json").read_text())["model_config"]
-    assert (config["doc_mask"], config["doc_token"], config["attn_impl"]) == (True, 7, "flex")
+    assert (config["doc_mask"], config["attn_impl"]) == (True, "flex")
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"

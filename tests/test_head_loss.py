@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from model_variants import TINY, with_overrides
-from train_gpt2 import GPT, SoftmaxSample, sampled_softmax_columns
+from train_gpt2 import MTP_WEIGHT, GPT, SoftmaxSample, rms_norm, sampled_softmax_columns
 
 
 @pytest.mark.parametrize("cap", [0.0, 3.0])
@@ -16,7 +16,7 @@ from train_gpt2 import GPT, SoftmaxSample, sampled_softmax_columns
 def test_head_cross_entropy_matches_autograd_through_the_logits(cap, vocab):
     # The fused head loss computes d loss / d logits itself; it must equal autograd's gradient through
     # the (softcapped) logits, with ignored targets and an incoming gradient other than 1.
-    from train_gpt2 import HeadCrossEntropy
+    from kernels import HeadCrossEntropy
     torch.manual_seed(0)
     h = torch.randn(12, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(vocab, 8, dtype=torch.float64, requires_grad=True)
@@ -41,7 +41,7 @@ def test_head_cross_entropy_matches_autograd_through_the_logits(cap, vocab):
 def test_head_cross_entropy_keeps_no_logits_sized_tensor_for_its_backward():
     # Its backward needs only the products' (N, d) and (V, d) results: an (N, V) tensor kept from the forward
     # would hold a micro-batch's logits in memory until the backward.
-    from train_gpt2 import HeadCrossEntropy
+    from kernels import HeadCrossEntropy
     N, V, d = 24, 64, 8
     h = torch.randn(N, d, requires_grad=True)
     w = torch.randn(V, d, requires_grad=True)
@@ -57,7 +57,7 @@ def test_head_cross_entropy_keeps_no_logits_sized_tensor_for_its_backward():
 def test_head_cross_entropy_with_several_targets_is_the_weighted_sum_of_their_means(cap):
     # Columns with different numbers of ignored targets, one target that repeats the next token's: each column's
     # mean over its own positions, weighted (the loss's general form; the model passes one column).
-    from train_gpt2 import HeadCrossEntropy
+    from kernels import HeadCrossEntropy
     torch.manual_seed(1)
     h = torch.randn(12, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(70, 8, dtype=torch.float64, requires_grad=True)
@@ -87,16 +87,16 @@ def _plain_and_fused(**overrides) -> tuple[GPT, GPT, torch.Tensor]:
     """The same seeded weights as a plain head and a fused one, and a batch of tokens for them."""
     torch.manual_seed(0)
     config = with_overrides(TINY, logit_softcap=15.0, **overrides)
-    plain, fused = GPT(config), GPT(with_overrides(config, fused_head_loss=True))
+    plain, fused = GPT(config), GPT(with_overrides(config, fused_kernels=True))
     fused.load_state_dict(plain.state_dict())
     return plain, fused, torch.randint(0, config.vocab_size, (2, 16))
 
 
 def test_fused_head_loss_trains_like_the_plain_head_and_only_where_a_gradient_is_built(monkeypatch):
-    import train_gpt2
+    import kernels
     calls = []
-    apply = train_gpt2.HeadCrossEntropy.apply
-    monkeypatch.setattr(train_gpt2.HeadCrossEntropy, "apply", lambda *a: calls.append(a[5]) or apply(*a))
+    apply = kernels.HeadCrossEntropy.apply
+    monkeypatch.setattr(kernels.HeadCrossEntropy, "apply", lambda *a: calls.append(a[5]) or apply(*a))
     plain, fused, idx = _plain_and_fused(mtp_k=1)
     targets = idx.roll(-1, dims=1)
     for model in (plain, fused):
@@ -117,16 +117,16 @@ def test_fused_head_loss_trains_like_the_plain_head_and_only_where_a_gradient_is
 def test_mtp_leaves_next_token_loss_alone_and_adds_its_weighted_terms():
     torch.manual_seed(0)
     base_config = with_overrides(TINY, vocab_size=64)
-    base, mtp = GPT(base_config), GPT(with_overrides(base_config, mtp_k=2, mtp_weight=0.5))
+    base, mtp = GPT(base_config), GPT(with_overrides(base_config, mtp_k=2))
     mtp.load_state_dict(base.state_dict(), strict=False)  # shares everything but the MTP projections
     idx = torch.randint(0, 64, (2, 16))
     torch.testing.assert_close(mtp.eval()(idx, idx)[1], base.eval()(idx, idx)[1])  # eval: next-token only
     mtp.train()
     _, objective, aux = mtp(idx, idx)
-    extras = [F.cross_entropy(mtp.logits(mtp.norm_f(proj(_final_hidden(mtp, idx)[:, :-j]))).reshape(-1, 64),
+    extras = [F.cross_entropy(mtp.logits(rms_norm(proj(_final_hidden(mtp, idx)[:, :-j]))).reshape(-1, 64),
                               idx[:, j:].reshape(-1)) for j, proj in enumerate(mtp.mtp_proj, start=1)]
     torch.testing.assert_close(aux["mtp_loss_1"], extras[0].detach())
-    torch.testing.assert_close(objective, aux["next_token_loss"] + 0.5 * (extras[0] + extras[1]) / 2)
+    torch.testing.assert_close(objective, aux["next_token_loss"] + MTP_WEIGHT * (extras[0] + extras[1]) / 2)
 
 
 def _final_hidden(model, idx):
@@ -134,56 +134,25 @@ def _final_hidden(model, idx):
     x = model.transformer.wte(idx)
     for block in model.transformer.h:
         x, _, _ = block(x, x, None, cos, sin)
-    return model.norm_f(x)
+    return rms_norm(x)
 
 
 def test_mtp_zero_is_the_baseline():
     torch.manual_seed(0)
     a = GPT(with_overrides(TINY, vocab_size=64))
-    b = GPT(with_overrides(TINY, vocab_size=64, mtp_k=0, mtp_weight=0.9))
+    b = GPT(with_overrides(TINY, vocab_size=64, mtp_k=0))
     b.load_state_dict(a.state_dict())
     idx = torch.randint(0, 64, (2, 16))
     assert torch.equal(a(idx, idx)[1], b(idx, idx)[1]) and not list(b.mtp_proj)
 
 
-def test_sampled_softmax_columns_hold_every_target_and_the_highest_drawn_others():
-    torch.manual_seed(0)
-    V, K = 64, 24
-    targets = torch.randint(0, 20, (2, 8))
-    targets[0, 0] = -1
-    in_batch = set(targets[targets >= 0].tolist())
-    draws = torch.rand(V)
-    columns, bias, positions = sampled_softmax_columns(targets, SoftmaxSample(K, draws), V)
-    assert len(set(columns.tolist())) == K and in_batch <= set(columns.tolist())
-    others = sorted(set(range(V)) - in_batch, key=lambda c: -draws[c].item())
-    assert set(columns.tolist()) - in_batch == set(others[:K - len(in_batch)])
-    U = len(in_batch)  # each drawn column stands in for (V - U) / (K - U) of the others
-    torch.testing.assert_close(bias, torch.tensor([0.0 if c in in_batch else math.log((V - U) / (K - U))
-                                                   for c in columns.tolist()]))
-    valid = targets >= 0
-    assert torch.equal(columns[positions[valid]], targets[valid]) and positions[0, 0] == -1
-
-
 def test_a_micro_batch_with_more_targets_than_columns_ignores_the_positions_of_those_left_out():
     targets = torch.arange(12).repeat(2)[None]  # 12 distinct targets, twice each
-    columns, bias, positions = sampled_softmax_columns(targets, SoftmaxSample(8, torch.rand(32)), 32)
+    columns, bias, positions = sampled_softmax_columns(targets, SoftmaxSample(8, torch.rand(32), torch.zeros(32)), 32)
     assert set(columns.tolist()) < set(range(12)) and not bias.any()  # targets only, none drawn
     kept = positions >= 0
     assert kept.sum() == 16 and torch.equal(columns[positions[kept]], targets[kept])
     assert set(targets[~kept].tolist()).isdisjoint(columns.tolist())
-
-
-def test_the_sampled_normalizer_averages_to_the_full_softmaxs():
-    # Over the draws, sum(exp(z + bias)) over the columns estimates the full sum(exp(z)) without bias.
-    g = torch.Generator().manual_seed(0)
-    V, K = 64, 24
-    z = torch.randn(V, generator=g, dtype=torch.float64) * 2
-    targets = torch.randint(0, 20, (16,), generator=g)
-    estimates = []
-    for _ in range(4000):
-        columns, bias, _ = sampled_softmax_columns(targets, SoftmaxSample(K, torch.rand(V, generator=g)), V)
-        estimates.append((z[columns] + bias).exp().sum())
-    torch.testing.assert_close(torch.stack(estimates).mean(), z.exp().sum(), rtol=0.02, atol=0)
 
 
 def test_weighted_draws_take_the_highest_priorities_and_weight_each_by_its_chance():
@@ -202,7 +171,7 @@ def test_weighted_draws_take_the_highest_priorities_and_weight_each_by_its_chanc
                                                    for c in columns.tolist()]))
     assert (bias == 0).sum() > len(in_batch)  # the heaviest tokens are drawn for sure, standing in for themselves
     assert torch.equal(columns[positions], targets)
-    # More targets than columns: targets only, as with uniform draws.
+    # More targets than columns: targets only.
     many = torch.arange(12).repeat(2)[None]
     columns, bias, positions = sampled_softmax_columns(many, SoftmaxSample(8, torch.rand(32), torch.randn(32)), 32)
     assert set(columns.tolist()) < set(range(12)) and not bias.any() and (positions >= 0).sum() == 16
@@ -222,7 +191,7 @@ def test_weighted_draws_estimate_the_normalizer_without_bias_and_with_less_noise
             columns, bias, _ = sampled_softmax_columns(targets, sample, V)
             out.append((z[columns] + bias).exp().sum())
         return torch.stack(out)
-    uniform, fitted = estimates(None), estimates(z.float())
+    uniform, fitted = estimates(torch.zeros(V)), estimates(z.float())  # equal weights: uniform draws
     torch.testing.assert_close(fitted.mean(), torch.as_tensor(full, dtype=fitted.dtype), rtol=0.02, atol=0)
     torch.testing.assert_close(uniform.mean(), torch.as_tensor(full, dtype=uniform.dtype), rtol=0.05, atol=0)
     assert fitted.std() < uniform.std() / 4
@@ -231,12 +200,12 @@ def test_weighted_draws_estimate_the_normalizer_without_bias_and_with_less_noise
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_sampled_softmax_scores_its_columns_with_their_bias_in_training_only(fused):
     torch.manual_seed(0)
-    model = GPT(with_overrides(TINY, vocab_size=64, logit_softcap=15.0, fused_head_loss=fused,
-                               tie_embeddings=False))
-    idx = torch.randint(0, 64, (2, 16))
+    model = GPT(with_overrides(TINY, vocab_size=64, logit_softcap=15.0, fused_kernels=fused))
     targets = torch.randint(0, 40, (2, 16))
     targets[0, 3] = -1
-    sample = SoftmaxSample(48, torch.rand(64))
+    # Inputs from the targets only: the tied head's gradient then holds the embedding's rows of columns only.
+    idx = targets.flip(-1).where(targets.flip(-1) >= 0, targets[0, 0])
+    sample = SoftmaxSample(48, torch.rand(64), torch.zeros(64))
     _, objective, aux = model(idx, targets, return_logits=False, sampled_softmax=sample)
     objective.backward()
     columns, bias, positions = sampled_softmax_columns(targets, sample, 64)
@@ -255,7 +224,7 @@ def test_a_sampled_softmax_scores_its_columns_with_their_bias_in_training_only(f
 
 def test_the_fused_sampled_softmax_matches_the_plain_head():
     plain, fused, idx = _plain_and_fused(vocab_size=64)
-    sample = SoftmaxSample(40, torch.rand(64))
+    sample = SoftmaxSample(40, torch.rand(64), torch.zeros(64))
 
     def grads(model):
         _, objective, _ = model(idx, idx.roll(-1, dims=1), return_logits=False, sampled_softmax=sample)
@@ -272,18 +241,18 @@ def test_a_sample_of_several_groups_averages_each_groups_own_sampled_softmax(fus
     # Rows 0-1 and 2-3 of a micro-batch, each against its own draws: the mean of the two halves' losses as
     # micro-batches of their own.
     torch.manual_seed(0)
-    model = GPT(with_overrides(TINY, vocab_size=64, logit_softcap=15.0, fused_head_loss=fused))
+    model = GPT(with_overrides(TINY, vocab_size=64, logit_softcap=15.0, fused_kernels=fused))
     h = torch.randn(4, 16, TINY.n_embd, requires_grad=True)
     targets = torch.randint(0, 40, (4, 16))
     draws = torch.rand(2, 64)
-    objective, means = model.head_loss(h, targets, sample=SoftmaxSample(40, draws))
+    objective, means = model.head_loss(h, targets, sample=SoftmaxSample(40, draws, torch.zeros(64)))
     objective.backward()
     grouped_grad, h.grad = h.grad, None
-    halves = [model.head_loss(h[rows], targets[rows], sample=SoftmaxSample(40, draws[k]))
+    halves = [model.head_loss(h[rows], targets[rows], sample=SoftmaxSample(40, draws[k], torch.zeros(64)))
               for k, rows in enumerate((slice(0, 2), slice(2, 4)))]
     torch.testing.assert_close(objective, (halves[0][0] + halves[1][0]) / 2)
     torch.testing.assert_close(means, (halves[0][1] + halves[1][1]) / 2)
     ((halves[0][0] + halves[1][0]) / 2).backward()
     torch.testing.assert_close(grouped_grad, h.grad)
-    whole, _ = model.head_loss(h, targets, sample=SoftmaxSample(40, draws[0]))
+    whole, _ = model.head_loss(h, targets, sample=SoftmaxSample(40, draws[0], torch.zeros(64)))
     assert not torch.isclose(whole, objective)  # one sample for all four rows scores other columns

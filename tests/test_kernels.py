@@ -108,15 +108,28 @@ def test_without_triton_on_this_device_the_torch_version_runs(monkeypatch):
     assert len(calls) == 1 and not kernels.triton_runs_on(torch.device("cpu"))
 
 
-def test_cuda_without_triton_gets_a_notice_that_the_torch_version_runs(monkeypatch, capsys):
-    import train_gpt2
-    train_gpt2.check_head_loss_kernel(torch.device("cpu"))  # the torch version is the plan on CPU: no notice
+def test_the_seam_runs_each_kernel_where_it_can_and_says_once_what_runs_where_it_cannot(monkeypatch, capsys):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 4090")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    monkeypatch.setattr(kernels, "triton_runs_on", lambda device: True)
+    for _ in range(2):  # each notice once per process
+        ran = {path: kernels.kernel_runs(path, cuda) for path in kernels.FAST_PATHS}
+        assert ran == {"head loss": True, "relu2 MLP": False, "block attention": True, "Newton-Schulz": False}
+    assert capsys.readouterr().err.splitlines() == [
+        "notice: relu2 MLP: its kernel needs an sm_90+ GPU (H100), not NVIDIA GeForce RTX 4090; cuBLAS's products "
+        "with ReLU² in passes of their own (the same math) runs instead",
+        "notice: Newton-Schulz: its kernel needs an sm_90+ GPU (H100), not NVIDIA GeForce RTX 4090; cuBLAS's "
+        "products (the same math) runs instead"]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert all(kernels.kernel_runs(path, cuda) for path in kernels.FAST_PATHS)
+    monkeypatch.setattr(kernels, "triton_runs_on", lambda device: False)
+    assert not any(kernels.kernel_runs(path, cuda) for path in kernels.FAST_PATHS)
+    assert "notice: head loss: its kernel needs Triton (pip install triton); inductor's fusion of the same math, " \
+        "about 1.7x slower runs instead" in capsys.readouterr().err
+    # Off CUDA the entry points pick their torch versions themselves: the seam says yes, silently.
+    assert all(kernels.kernel_runs(path, torch.device("cpu")) for path in kernels.FAST_PATHS)
     assert capsys.readouterr().err == ""
-    monkeypatch.setattr(kernels, "triton", None)
-    train_gpt2.check_head_loss_kernel(torch.device("cpu"))
-    assert capsys.readouterr().err == ""
-    train_gpt2.check_head_loss_kernel(torch.device("cuda"))
-    assert "notice: fused_head_loss: Triton is not installed" in capsys.readouterr().err
 
 
 # The interpreter is chosen when Triton is imported, so the kernel runs in a child process with
@@ -426,20 +439,12 @@ def test_symmetric_kernel_takes_aligned_16_bit_stacks_row_or_column_major(monkey
     assert not kernels.symmetric_kernel_takes(x)  # CPU without the interpreter
 
 
-def test_newton_schulz_kernels_run_on_h100_class_gpus_and_muon_says_where_they_do_not(monkeypatch, capsys):
-    import train_gpt2
+def test_newton_schulz_kernels_run_on_h100_class_gpus(monkeypatch):
     monkeypatch.setattr(kernels, "triton_runs_on", lambda device: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 4090")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert kernels.newton_schulz_kernels_run_on(torch.device("cuda"))
-    train_gpt2.check_newton_schulz_kernels(torch.device("cuda"))
-    train_gpt2.check_newton_schulz_kernels(torch.device("cpu"))
-    assert capsys.readouterr().err == ""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     assert not kernels.newton_schulz_kernels_run_on(torch.device("cuda"))
-    train_gpt2.check_newton_schulz_kernels(torch.device("cuda"))
-    assert ("notice: muon: Newton-Schulz's kernels need Triton and an sm_90+ GPU (H100), not NVIDIA GeForce "
-            "RTX 4090; its products run in cuBLAS (the same math)") in capsys.readouterr().err
 
 
 # (n, m, k, dtype, column-major, square_symmetric, alpha, beta). The interpreter's tiles are 16 x 16 x 16: several

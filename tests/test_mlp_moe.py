@@ -46,7 +46,7 @@ def spy_on_relu2_products(monkeypatch) -> list[bool]:
 def test_fused_relu2_trains_with_autograds_gradients_and_evaluates_the_plain_mlp(monkeypatch):
     calls = spy_on_relu2_products(monkeypatch)
     torch.manual_seed(0)
-    fused, plain = MLP(with_overrides(TINY, mlp_act="relu2", fused_relu2=True)).double(), MLP(
+    fused, plain = MLP(with_overrides(TINY, mlp_act="relu2", fused_kernels=True)).double(), MLP(
         with_overrides(TINY, mlp_act="relu2")).double()
     plain.load_state_dict(fused.state_dict())
     x = torch.randn(3, 7, 64, dtype=torch.float64)
@@ -65,7 +65,7 @@ def test_fused_relu2_trains_with_autograds_gradients_and_evaluates_the_plain_mlp
 
 def test_compiled_fused_relu2_mlp_is_one_graph_and_equals_eager():
     torch.manual_seed(0)
-    mlp = MLP(with_overrides(TINY, mlp_act="relu2", fused_relu2=True))
+    mlp = MLP(with_overrides(TINY, mlp_act="relu2", fused_kernels=True))
     x = torch.randn(2, 5, 64, requires_grad=True)
     explained = torch._dynamo.explain(mlp)(x)
     assert explained.graph_count == 1 and explained.graph_break_count == 0  # the kernel's ops are whole to dynamo
@@ -79,30 +79,15 @@ def test_compiled_fused_relu2_mlp_is_one_graph_and_equals_eager():
     torch.testing.assert_close((x.grad, mlp.c_fc.weight.grad), eager_grads)
 
 
-def test_fused_relu2_runs_unfused_with_a_notice_where_its_kernel_cannot(monkeypatch, capsys):
-    import kernels
-    import train_gpt2
-    on_gpu = SimpleNamespace(device=torch.device("cuda"))
-    monkeypatch.setattr(kernels, "triton_runs_on", lambda device: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 4090")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert train_gpt2.fused_relu2_runs(on_gpu) and capsys.readouterr().err == ""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
-    assert not train_gpt2.fused_relu2_runs(on_gpu)
-    assert ("notice: fused_relu2: its kernel needs Triton and an sm_90+ GPU (H100), not NVIDIA GeForce RTX 4090; "
-            "the MLP's products run in cuBLAS, ReLU² in passes of their own (the same math)") in capsys.readouterr().err
-    assert train_gpt2.fused_relu2_runs(SimpleNamespace(device=torch.device("cpu")))  # the testable path
-
-
 def test_fused_relu2_without_its_kernel_keeps_only_the_square_in_torchs_ops(monkeypatch):
     # Where the kernel cannot run (an RTX 4090), the MLP still saves relu(pre)² alone for the backward, in ops
     # that torch.compile traces: the same gradients as autograd's MLP, one (tokens, hidden) tensor less kept.
-    import train_gpt2
+    import kernels
     calls = spy_on_relu2_products(monkeypatch)
-    monkeypatch.setattr(train_gpt2, "fused_relu2_runs", lambda x: False)
+    monkeypatch.setattr(kernels, "kernel_runs", lambda path, device: False)
     torch.manual_seed(0)
     config = with_overrides(TINY, mlp_act="relu2")
-    fused, plain = MLP(with_overrides(config, fused_relu2=True)).double(), MLP(config).double()
+    fused, plain = MLP(with_overrides(config, fused_kernels=True)).double(), MLP(config).double()
     plain.load_state_dict(fused.state_dict())
     x = torch.randn(3, 7, 64, dtype=torch.float64)
     x_fused, x_plain = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
@@ -126,13 +111,10 @@ def test_fused_relu2_without_its_kernel_keeps_only_the_square_in_torchs_ops(monk
     assert torch._dynamo.explain(fused)(x_fused).graph_break_count == 0
 
 
-def test_d12_fast_trains_its_mlp_fused():
-    assert VARIANTS["d12_fast"].fused_relu2 and not VARIANTS["d12"].fused_relu2
-
-
-def test_fused_relu2_needs_the_relu2_mlp():
-    with pytest.raises(ValueError, match="fused_relu2 .* needs mlp_act relu2 \\(not 'gelu'\\)"):
-        with_overrides(TINY, fused_relu2=True)
+def test_fused_kernels_fuse_only_the_relu2_mlp_and_d12_fast_trains_with_them():
+    assert VARIANTS["d12_fast"].fused_kernels and not VARIANTS["d12"].fused_kernels
+    assert MLP(with_overrides(TINY, mlp_act="relu2", fused_kernels=True)).fused
+    assert not MLP(with_overrides(TINY, fused_kernels=True)).fused  # GELU: the plain MLP
 
 
 def test_moe_with_one_expert_top1_equals_the_dense_mlp():
@@ -149,10 +131,10 @@ def test_moe_with_one_expert_top1_equals_the_dense_mlp():
         assert aux.item() == pytest.approx(1.0) and load.tolist() == [1.0]
 
 
-@pytest.mark.parametrize("act, shared", [("gelu", False), ("swiglu", True)])
-def test_grouped_mm_moe_equals_the_per_expert_loop(act, shared):
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+def test_grouped_mm_moe_equals_the_per_expert_loop(act):
     torch.manual_seed(0)
-    moe = MoE(with_overrides(TINY, moe_experts=4, moe_topk=2, mlp_act=act, moe_shared_expert=shared))
+    moe = MoE(with_overrides(TINY, moe_experts=4, moe_topk=2, mlp_act=act))
     x = torch.randn(3, 7, 64, requires_grad=True)
     grouped, aux_g, _ = moe(x, use_grouped_mm=True)
     grouped.sum().backward()
@@ -250,11 +232,6 @@ def test_moe_aux_loss_is_one_for_uniform_routing():
     torch.nn.init.zeros_(moe.router.weight)  # every expert equally likely for every token
     _, aux, _ = moe(torch.randn(2, 16, 64))
     assert aux.item() == pytest.approx(1.0)
-
-
-def test_moe_layers_select_blocks():
-    model = GPT(with_overrides(TINY, n_layer=4, moe_experts=2, moe_topk=1, moe_layers="1,3"))
-    assert [type(b.mlp).__name__ for b in model.transformer.h] == ["MLP", "MoE", "MLP", "MoE"]
 
 
 def test_grouped_mm_is_only_chosen_where_its_kernels_exist():

@@ -10,8 +10,8 @@ import torch
 
 from conftest import REPO, read_metrics, shrink, tiny_run_args, train_losses
 from model_variants import D12, TINY
-from train_gpt2 import (GPT, Lion, blocks_to_drop, build_parser, layerdrop_at, lr_scale, main, model_from_checkpoint,
-                        row_length_at, val_row_length, warm_up_steps)
+from train_gpt2 import (GPT, Lion, blocks_to_drop, build_parser, lr_scale, main, model_from_checkpoint, schedule_at,
+                        val_row_length, warm_up_steps)
 
 
 def parse(*flags) -> Namespace:
@@ -21,12 +21,13 @@ def parse(*flags) -> Namespace:
 # --- the sequence-length curriculum --------------------------------------------------------------------------
 
 def test_curriculum_doubles_the_row_length_in_equal_stages():
-    args = parse("--curriculum_start", "256", "--curriculum_iters", "150")  # --sequence_length 1024
-    lengths = [row_length_at(step, args) for step in range(200)]
+    args = parse("--curriculum_iters", "150")  # --sequence_length 1024: rows of 256 first
+    lengths = [schedule_at(step, args, D12).row_length for step in range(200)]
     assert lengths[:75] == [256] * 75 and lengths[75:150] == [512] * 75 and lengths[150:] == [1024] * 50
     assert warm_up_steps(args, D12) == [0, 0, 0, 75, 75, 75, 150, 150, 150]  # one graph per row length
     plain = parse()
-    assert {row_length_at(step, plain) for step in range(100)} == {1024} and warm_up_steps(plain, D12) == [0, 0, 0]
+    assert {schedule_at(step, plain, D12).row_length for step in range(100)} == {1024}
+    assert warm_up_steps(plain, D12) == [0, 0, 0]
 
 
 def test_curriculum_keeps_each_steps_tokens_and_their_order(tmp_path, shards, capsys, monkeypatch):
@@ -40,7 +41,7 @@ def test_curriculum_keeps_each_steps_tokens_and_their_order(tmp_path, shards, ca
             seen.setdefault(run_name, []).append((tuple(idx.shape), idx.flatten().tolist(), targets.flatten().tolist()))
         return forward(self, idx, targets, **kwargs)
     monkeypatch.setattr(GPT, "forward", recording_forward)
-    for run_name, extra in (("plain", []), ("curriculum", ["--curriculum_start", "8", "--curriculum_iters", "4"])):
+    for run_name, extra in (("plain", []), ("curriculum", ["--curriculum_iters", "4"])):
         assert main(tiny_run_args(shards, tmp_path, run_name, *extra)) == 0
     capsys.readouterr()
     plain, curriculum = seen["plain"], seen["curriculum"]
@@ -75,17 +76,17 @@ def test_one_cycle_is_torchs_one_cycle_lr():
 # --- LayerDrop ------------------------------------------------------------------------------------------------
 
 def test_layerdrop_skips_each_block_but_the_first_with_the_scheduled_probability():
-    args = Namespace(layerdrop=0.4, layerdrop_iters=100, seed=0)
-    assert [layerdrop_at(step, args) for step in (0, 25, 50, 99, 100, 5000)] == pytest.approx(
+    args = parse("--layerdrop", "0.4", "--layerdrop_iters", "100")
+    assert [schedule_at(step, args, D12).layerdrop for step in (0, 25, 50, 99, 100, 5000)] == pytest.approx(
         [0.4, 0.3, 0.2, 0.004, 0.0, 0.0])
-    draws = [blocks_to_drop(0, micro, args, n_layer=12) for micro in range(3000)]
+    draws = [blocks_to_drop(0, micro, 0, 0.4, n_layer=12) for micro in range(3000)]
     assert not any(0 in drop for drop in draws)  # the first block always runs
     per_block = [sum(i in drop for drop in draws) / len(draws) for i in range(1, 12)]
     assert all(abs(rate - 0.4) < 0.04 for rate in per_block), per_block  # 0.4 +- 4.5 standard errors
-    late = [blocks_to_drop(50, micro, args, n_layer=12) for micro in range(3000)]
+    late = [blocks_to_drop(50, micro, 0, 0.2, n_layer=12) for micro in range(3000)]
     assert sum(map(len, late)) / (3000 * 11) == pytest.approx(0.2, abs=0.01)
-    assert all(blocks_to_drop(100, micro, args, 12) == () for micro in range(50))  # full depth from there
-    assert blocks_to_drop(7, 1, args, 12) == blocks_to_drop(7, 1, args, 12)  # the same on every process, on resume
+    assert all(blocks_to_drop(100, micro, 0, 0.0, 12) == () for micro in range(50))  # full depth from there
+    assert blocks_to_drop(7, 1, 0, 0.4, 12) == blocks_to_drop(7, 1, 0, 0.4, 12)  # the same on every process, on resume
 
 
 def test_a_dropped_block_passes_the_stream_through_in_training_only():
@@ -120,7 +121,8 @@ def test_a_layerdrop_run_skips_the_drawn_blocks(tmp_path, shards, capsys, monkey
     assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 0
     capsys.readouterr()
     args = parse(*extra)
-    expected = sum(4 - len(blocks_to_drop(step, micro, args, 4)) for step in range(6) for micro in range(2))
+    expected = sum(4 - len(blocks_to_drop(step, micro, args.seed, schedule_at(step, args, D12).layerdrop, 4))
+                   for step in range(6) for micro in range(2))
     assert len(calls) == expected < 6 * 2 * 4
 
 
@@ -290,5 +292,6 @@ def test_d12_nocap_is_d12_swiglu_trained_with_the_plans_schedule_ideas():
     check_run_flags(args)  # its recipe is a valid run
     assert VARIANTS["d12_nocap"] == VARIANTS["d12_swiglu"]
     assert (args.optimizer, args.learning_rate, args.num_iterations, args.lr_schedule) == ("adamw", 0.0018, 4768, "one_cycle")
-    assert [row_length_at(step, args) for step in (0, 476, 477, 953, 954)] == [256, 256, 512, 512, 1024]
+    rows = [schedule_at(step, args, D12).row_length for step in (0, 476, 477, 953, 954)]
+    assert rows == [256, 256, 512, 512, 1024]
     assert lr_scale(1429, args) == 1.0 and lr_scale(4767, args) == pytest.approx(0.0)

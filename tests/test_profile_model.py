@@ -26,8 +26,8 @@ def test_parts_cover_the_step(tmp_path):
     part_ms, step_ms, _ = profile_model.profile(args_for("--trace", str(tmp_path / "t.json")))
     assert set(part_ms) == set(profile_model.PARTS)
     assert all(ms >= 0 for ms in part_ms.values())
-    for part in ("embedding", "attention projections", "attention core", "MLP / MoE", "norms", "head + loss",
-                 "optimizer", "data loading"):
+    for part in ("embedding", "attention projections", "attention core", "MLP / MoE", "head + loss",
+                 "norms, adds & other", "optimizer", "data loading"):
         assert part_ms[part] > 0, part
     assert sum(part_ms.values()) <= step_ms * 1.05
     trace = json.loads((tmp_path / "t.json").read_text())
@@ -168,10 +168,6 @@ def test_the_step_uses_the_recipes_head_unless_told(monkeypatch):
         assert len(heads) == 3  # every micro-batch of the warm-up and the timed steps
         for seen in heads:
             assert seen == head if head is None else (seen[:2] == head[:2] and torch.equal(seen[2], head[2]))
-    monkeypatch.setitem(train_gpt2.RECIPES["d12_fast"], "sampled_softmax_draws", "uniform")
-    heads.clear()
-    profile_model.profile(args_for(*small, "--kernels", "0", "--sampled_softmax", "100"))
-    assert [head[2] for head in heads] == [None] * 3
     # A sample per 64 tokens: two groups' draws for each micro-batch of 4 x 32 tokens, as the trainer draws.
     monkeypatch.setitem(train_gpt2.RECIPES["d12_fast"], "sampled_softmax_tokens", 64)
     heads.clear()

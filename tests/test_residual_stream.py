@@ -44,7 +44,7 @@ def reference_forward(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     cos, sin = model.rotary(T)
 
     def rms(x):
-        return F.rms_norm(x, (x.size(-1),), eps=c.norm_eps)
+        return F.rms_norm(x, (x.size(-1),), eps=1e-6)
 
     def rotate(x):  # (B, T, H, D) half-split rotary
         x1, x2 = x.chunk(2, dim=-1)
@@ -154,15 +154,15 @@ def test_decoding_in_pieces_carries_each_pieces_last_token_into_the_next_pair():
         torch.testing.assert_close(model(seq[:, t:t + 1], cache=cache)[0], model(seq[:, :t + 1])[0])
 
 
-def test_embed_norm_makes_the_model_blind_to_embedding_scale():
+def test_embed_norm_makes_the_stream_blind_to_embedding_scale():
     torch.manual_seed(0)
     for embed_norm in (True, False):
-        model = GPT(with_overrides(TINY, vocab_size=64, embed_norm=embed_norm, tie_embeddings=False)).double()
+        model = GPT(with_overrides(TINY, vocab_size=64, embed_norm=embed_norm)).double()
         idx = torch.randint(0, 64, (2, 10))
-        before = model(idx, idx)[0]
+        before = model.embed(idx)
         with torch.no_grad():
             model.transformer.wte.weight.mul_(10.0)
-        assert torch.allclose(model(idx, idx)[0], before, atol=1e-5) == embed_norm  # eps aside
+        assert torch.allclose(model.embed(idx), before, atol=1e-3) == embed_norm  # the fp32 norm's rounding aside
 
 
 def test_the_shortcuts_work_with_the_kv_cache():

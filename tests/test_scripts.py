@@ -44,7 +44,7 @@ def test_compare_sh_trains_each_model_and_compares(tmp_path):
 def test_compare_sh_defaults_to_d12_against_d12_fast_each_with_its_recipe(tmp_path):
     train_glob, val_glob = make_shards(tmp_path / "data")
     # Four steps are too few for d12_fast's window warmup (the full window at its recipe's step 6,560): off.
-    result = bash("scripts/compare.sh", "--", *TINY_FLAGS, "--window_start", "0", "--window_iters", "0",
+    result = bash("scripts/compare.sh", "--", *TINY_FLAGS, "--window_iters", "0",
                   "--n_layer", "2", "--n_embd", "32", "--n_head", "2",
                   "--input_bin", train_glob, "--input_val_bin", val_glob,
                   env_extra={"OUTPUT_DIR": str(tmp_path / "logs")})
@@ -89,7 +89,7 @@ def test_throughput_sh_runs_the_40_step_protocol_for_each_model(tmp_path):
         assert (args["num_iterations"], args["warmup_iters"], args["warmdown_iters"], args["val_loss_every"]) == \
             (40, 4, 4, 0)
         assert args["coordinate_descent_tuning"] is False and args["memory_cap_gib"] is None
-        assert (args["window_start"], args["window_iters"]) == (0, 0)  # d12_fast's window warmup off: full window
+        assert args["window_iters"] == 0  # d12_fast's window warmup off: the full window
         assert json.loads((run_dir / "summary.json").read_text())["steps"] == 40
     assert bash("scripts/throughput.sh", str(tmp_path / "missing")).returncode == 2
 

@@ -168,13 +168,11 @@ def test_lr_floor_ends_the_warmdown_above_zero():
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     from model_variants import TINY, with_overrides
     from train_gpt2 import GPT, make_optimizer
-    model = GPT(with_overrides(TINY, vocab_size=64, norm="rms_gain", moe_experts=2, moe_topk=1, moe_layers="1",
-                               mtp_k=1))
+    model = GPT(with_overrides(TINY, vocab_size=64, moe_experts=2, moe_topk=1, mtp_k=1))
     args = build_parser().parse_args(["--optimizer", "muon", "--muon_lr", "0.05", "--learning_rate", "0.003"])
     muon, adamw = make_optimizer(model, args, torch.device("cpu")).optimizers
     muon_names = {n for n, p in model.named_parameters() if any(p is q for q in muon.param_groups[0]["params"])}
     assert muon_names == {"transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.weight",
-                          "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight",
                           "transformer.h.1.attn.c_attn.weight", "transformer.h.1.attn.c_proj.weight",
                           "mtp_proj.0.weight"}
     adamw_ids = {id(p) for group in adamw.param_groups for p in group["params"]}
@@ -197,21 +195,19 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
 def test_muon_recipe_gives_embeddings_and_scalars_their_own_adamw_groups():
     from model_variants import TINY, with_overrides
     from train_gpt2 import GPT, make_optimizer
-    model = GPT(with_overrides(TINY, vocab_size=64, tie_embeddings=False, norm="rms_gain", x0_mix=True,
-                               value_residual=True, unet_skips=True, value_embeds=1, bigram_embed=1))
+    model = GPT(with_overrides(TINY, vocab_size=64, x0_mix=True, value_residual=True, unet_skips=True,
+                               value_embeds=1, bigram_embed=1))
     args = build_parser().parse_args(["--optimizer", "muon", "--learning_rate", "0.003", "--embed_lr", "0.3",
                                       "--scalar_lr", "0.04", "--weight_decay", "0.1"])
     groups = make_optimizer(model, args, torch.device("cpu")).optimizers[1].param_groups
     names = {id(p): n for n, p in model.named_parameters()}
     by_lr = {g["lr"]: ({names[id(p)] for p in g["params"]}, g["weight_decay"]) for g in groups}
-    assert by_lr[0.003] == ({"lm_head.weight"}, 0.1)
-    assert by_lr[0.3] == ({"transformer.wte.weight", "value_embeds.0.weight", "bigram_embed.weight"}, 0.1)
+    assert by_lr[0.003] == ({"transformer.wte.weight"}, 0.1)  # the tied head, named once
+    assert by_lr[0.3] == ({"value_embeds.0.weight", "bigram_embed.weight"}, 0.1)
     assert by_lr[0.04] == ({"skip_weights", "bigram_mix", "transformer.h.0.x_mix", "transformer.h.1.x_mix",
-                            "transformer.h.1.attn.v_mix", "transformer.h.0.attn.ve_mix", "transformer.h.1.attn.ve_mix",
-                            "transformer.h.0.norm_attn.weight",
-                            "transformer.h.0.norm_mlp.weight", "transformer.h.1.norm_attn.weight",
-                            "transformer.h.1.norm_mlp.weight", "norm_f.weight"}, 0.0)
-    # Defaults: every AdamW group at --learning_rate; a tied embedding is the head and stays in its group.
+                            "transformer.h.1.attn.v_mix", "transformer.h.0.attn.ve_mix", "transformer.h.1.attn.ve_mix"},
+                           0.0)
+    # Defaults: every AdamW group at --learning_rate; the tied embedding is the head and stays in its group.
     tied = GPT(with_overrides(TINY, vocab_size=64))
     args = build_parser().parse_args(["--optimizer", "muon", "--learning_rate", "0.003", "--embed_lr", "0.3"])
     assert [g["lr"] for g in make_optimizer(tied, args, torch.device("cpu")).optimizers[1].param_groups] == [0.003]
@@ -381,7 +377,7 @@ def test_total_batch_size_derives_accumulation(tmp_path, shards, capsys):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon", "lion", "adamw8bit",
                                        "muon --normuon_beta2 0.95 --cautious_weight_decay 1.2",
-                                       "adamw --sampled_softmax 64 --sampled_softmax_iters 6"])
+                                       "adamw --sampled_softmax 64"])
 def test_resume_from_a_periodic_checkpoint_gives_the_uninterrupted_losses(tmp_path, shards, capsys, monkeypatch,
                                                                            optimizer):
     import train_gpt2
@@ -419,12 +415,12 @@ def test_a_run_that_died_before_its_first_checkpoint_starts_over_under_resume_au
 
 def test_checkpoints_are_also_written_by_time(tmp_path, shards, capsys, monkeypatch):
     import train_gpt2
-    assert build_parser().parse_args([]).save_every_minutes == 30  # a crash costs at most half an hour
+    assert build_parser().parse_args([]).save_every == "30m"  # a crash costs at most half an hour
     monkeypatch.setattr(train_gpt2.os, "remove", lambda path: None)  # keep every checkpoint written
-    code, _, _ = run(capsys, shards, tmp_path, "run", "--save_every_minutes", "1e-9")  # due after every step
+    code, _, _ = run(capsys, shards, tmp_path, "run", "--save_every", "1e-9m")  # due after every step
     assert code == 0
     assert sorted(p.name for p in (tmp_path / "run").glob("ckpt_*.pt")) == [f"ckpt_00000{i}.pt" for i in range(1, 7)]
-    run(capsys, shards, tmp_path, "never", "--save_every_minutes", "0")
+    run(capsys, shards, tmp_path, "never", "--save_every", "0")
     assert [p.name for p in (tmp_path / "never").glob("ckpt_*.pt")] == ["ckpt_000006.pt"]  # the final one only
 
 
@@ -635,7 +631,6 @@ def test_unknown_model_suggests_close_names(tmp_path, shards, capsys):
     (["--learning_rate", "-1"], "--learning_rate -1.0 must be a finite number >= 0"),
     (["--weight_decay", "-1"], "--weight_decay -1.0 must be a finite number >= 0"),
     (["--optimizer", "muon", "--muon_lr", "-0.02"], "--muon_lr -0.02 must be a finite number >= 0"),
-    (["--muon_momentum", "1.5"], "--muon_momentum 1.5 must be in [0, 1)"),
     (["--normuon_beta2", "1"], "--normuon_beta2 1.0 must be in [0, 1) (e.g. 0.95; 0: off)"),
     (["--optimizer", "muon", "--cautious_weight_decay", "-1"],
      "--cautious_weight_decay -1.0 must be a finite number >= 0"),
@@ -646,9 +641,7 @@ def test_unknown_model_suggests_close_names(tmp_path, shards, capsys):
     (["--overtime_steps", "5", "--target_val_loss", "3", "--lr_floor", "0.1", "--val_loss_every", "0"],
      "pass --val_loss_every > 0"),
     (["--overtime_steps", "-1"], "--overtime_steps -1 must be >= 0"),
-    (["--curriculum_start", "12"], "must be --sequence_length 32 halved one or more times"),
-    (["--curriculum_start", "8"], "--curriculum_iters 0: pass the step"),
-    (["--curriculum_iters", "3"], "--curriculum_iters needs --curriculum_start"),
+    (["--curriculum_iters", "9"], "--curriculum_iters 9: pass the step (1 to --num_iterations 6)"),
     (["--lr_schedule", "one_cycle", "--warmup_iters", "0"], "--lr_schedule one_cycle rises over --warmup_iters"),
     (["--layerdrop", "1.0", "--layerdrop_iters", "3"], "--layerdrop 1.0 is a probability"),
     (["--layerdrop", "0.2"], "--layerdrop and --layerdrop_iters go together"),
@@ -783,6 +776,11 @@ def test_a_bad_flag_value_is_one_line_and_where_to_look(capsys):
     err = capsys.readouterr().err
     assert stop.value.code == 2 and len(err.splitlines()) == 1
     assert err.startswith("error: argument --batch_size: invalid int value: '2.5' (") and "--help lists the flags)" in err
+    for every in ("soon", "-5m"):
+        with pytest.raises(SystemExit):
+            main([f"--save_every={every}"])
+        assert capsys.readouterr().err.startswith(
+            f"error: argument --save_every: expected steps (500) or minutes (30m), got '{every}'")
 
 
 def test_help_gives_each_model_flag_its_meaning_and_the_chosen_variants_values(capsys):
@@ -807,7 +805,7 @@ def test_num_iterations_alone_resizes_the_recipes_step_counted_settings(capsys):
     fast = parse_args(["--model", "d12_fast", "--num_iterations", "1000"])  # a tenth of the recipe's 10,000
     assert (fast.warmdown_iters, fast.muon_momentum_warmup, fast.window_iters, fast.val_loss_every) == (
         1000, 150, 656, 31)
-    assert (fast.sampled_softmax_iters, fast.overtime_steps) == (1500, 500)  # the softmax spans the overtime still
+    assert fast.overtime_steps == 500
     assert ("notice: --num_iterations 1000 re-sizes d12_fast's schedule of 10000 steps: --warmdown_iters 1000 "
             "--muon_momentum_warmup 150") in capsys.readouterr().err
     mine = parse_args(["--model", "d12_fast", "--num_iterations=1000", "--window_iter", "100"])  # abbreviated
@@ -822,8 +820,8 @@ def test_num_iterations_alone_resizes_the_recipes_step_counted_settings(capsys):
 
 def test_every_model_field_has_an_override_flag():
     from model_variants import config_fields
-    args = build_parser().parse_args(["--n_layer", "6", "--rope_base", "500", "--attn_impl", "manual"])
-    assert (args.n_layer, args.rope_base, args.attn_impl) == (6, 500.0, "manual")
+    args = build_parser().parse_args(["--n_layer", "6", "--logit_softcap", "15", "--attn_impl", "manual"])
+    assert (args.n_layer, args.logit_softcap, args.attn_impl) == (6, 15.0, "manual")
     assert all(hasattr(args, f.name) for f in config_fields())
 
 
@@ -837,9 +835,7 @@ def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
     assert val_row_length(shorter) == 1024  # validated on the rows it trains on
     assert (fast.warmdown_iters, fast.num_iterations, fast.normuon_beta2, fast.cautious_weight_decay) == (
         10000, 10000, 0.95, 1.2)
-    # The sampled softmax spans the schedule and its overtime, so the run never switches softmax (one graph).
-    assert (fast.sampled_softmax, fast.sampled_softmax_iters) == (16384, fast.num_iterations + fast.overtime_steps)
-    assert (fast.sampled_softmax_draws, d12.sampled_softmax_draws) == ("frequency", "uniform")
+    assert (fast.sampled_softmax, d12.sampled_softmax) == (16384, 0)
     assert d12.normuon_beta2 == 0.0
     assert parse_args(["--model", "d12_fast", "--batch_size", "16"]).batch_size == 16
     assert d12.coordinate_descent_tuning and not fast.coordinate_descent_tuning  # on/off flags too
@@ -865,7 +861,7 @@ def test_list_models(capsys):
     assert recipes["d12_fast"].startswith("--model d12_fast also sets: --optimizer muon")
     assert recipes["d12_fast"].endswith(" --no-coordinate_descent_tuning --combo_kernels")  # as the flags are typed
     assert recipes["d12_nocap"] == ("--model d12_nocap also sets: --lr_schedule one_cycle --warmup_iters 1430 "
-                                    "--curriculum_start 256 --curriculum_iters 954")
+                                    "--curriculum_iters 954")
     assert rows["d12"].split()[5:7] == ["123.5M", "123.5M"]  # 50257*768 + 12*12*768^2, all active
     assert rows["d12_moe"].split()[5:7] == ["293.5M", "123.6M"] and "moe_experts=8" in rows["d12_moe"]
     assert rows["d12_gqa"].split()[3] == "4" and rows["d12_gqa"].endswith("n_kv_head=4")
@@ -940,10 +936,12 @@ def test_muon_run_learns(tmp_path, capsys):
 
 
 def test_muon_momentum_warms_up():
-    from train_gpt2 import muon_momentum_at
-    args = Namespace(muon_momentum=0.95, muon_momentum_warmup=4)
-    assert [muon_momentum_at(s, args) for s in range(6)] == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
-    assert muon_momentum_at(0, Namespace(muon_momentum=0.9, muon_momentum_warmup=0)) == 0.9
+    from model_variants import D12
+    from train_gpt2 import schedule_at
+    args = build_parser().parse_args(["--muon_momentum_warmup", "4"])
+    assert [schedule_at(s, args, D12).muon_momentum for s in range(6)] == pytest.approx(
+        [0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
+    assert schedule_at(0, build_parser().parse_args([]), D12).muon_momentum == 0.95
 
 
 def test_momentum_reaches_the_muon_optimizer(tmp_path, shards, capsys, monkeypatch):

@@ -11,7 +11,7 @@ import torch
 import train_gpt2
 from conftest import count_compiles, make_shards, read_metrics, tiny_run_args
 from model_variants import TINY, VARIANTS, with_overrides
-from train_gpt2 import GPT, build_parser, local_window_at, main, softmax_columns_at, softmax_sample, warm_up_steps
+from train_gpt2 import GPT, build_parser, main, schedule_at, softmax_sample, warm_up_steps
 
 
 def parse(*flags) -> Namespace:
@@ -35,13 +35,13 @@ def record_training_passes(monkeypatch, pick) -> list:
 
 def test_window_warmup_doubles_the_local_window_in_equal_stages():
     config = VARIANTS["d12_fast"]  # window 256 in three of four layers
-    args = parse("--window_start", "64", "--window_iters", "90")
-    windows = [local_window_at(step, args, config) for step in range(120)]
+    args = parse("--window_iters", "90")
+    windows = [schedule_at(step, args, config).local_window for step in range(120)]
     assert windows[:45] == [64] * 45 and windows[45:90] == [128] * 45 and windows[90:] == [256] * 30
-    assert {local_window_at(step, parse(), config) for step in range(100)} == {256}
-    # With a curriculum beside it, a graph for every (row length, window) the run meets:
-    both = parse("--window_start", "64", "--window_iters", "90", "--curriculum_start", "512", "--curriculum_iters", "60")
-    assert warm_up_steps(both, config) == [step for step in (0, 45, 60, 90) for _ in range(3)]
+    assert {schedule_at(step, parse(), config).local_window for step in range(100)} == {256}
+    # With a curriculum beside it (rows of 256, 512, 1024), a graph for every (row length, window) the run meets:
+    both = parse("--window_iters", "90", "--curriculum_iters", "60")
+    assert warm_up_steps(both, config) == [step for step in (0, 30, 45, 60, 90) for _ in range(3)]
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -69,8 +69,8 @@ def test_a_window_warmup_run_attends_with_the_scheduled_window(tmp_path, shards,
         seen.append((torch.is_grad_enabled(), chunk))
         return chunked_attention(q, k, v, impl, chunk)
     monkeypatch.setattr(train_gpt2, "chunked_attention", recording)
-    extra = ["--window", "16", "--window_pattern", "LG", "--window_kind", "chunked", "--window_start", "4",
-             "--window_iters", "4", "--val_loss_every", "6"]
+    extra = ["--window", "16", "--window_pattern", "LG", "--window_kind", "chunked", "--window_iters", "4",
+             "--val_loss_every", "6"]
     assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 0
     capsys.readouterr()
     # 6 steps x 2 micro-batches through the one local layer; stages of 2 steps at 4 and 8, then 16.
@@ -82,55 +82,47 @@ def test_window_warmup_flags_are_checked_against_the_model(tmp_path, shards, cap
     def error(*extra):
         assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 2
         return capsys.readouterr().err.strip().splitlines()
-    assert error("--window_start", "4", "--window_iters", "2") == [
-        "error: --window_start 4: --model tiny has no local attention layers (window 0) to warm up; pass --window W, "
-        "or drop --window_start"]
-    assert error("--window", "16", "--window_start", "6", "--window_iters", "2") == [
-        "error: --window_start 6 must be --window 16 halved one or more times (e.g. 4), so each stage doubles it"]
-    assert error("--window", "16", "--window_start", "4", "--window_iters", "99") == [
-        "error: --window_iters 99: pass the step (1 to --num_iterations 6) at which the schedule reaches --window"]
+    assert error("--window_iters", "2") == [
+        "error: --window_iters 2: --model tiny has no local attention layers (window 0) to warm up; pass --window W, "
+        "or drop --window_iters"]
+    assert error("--window", "18", "--window_iters", "2") == [
+        "error: --window_iters starts at a quarter of --window 18: pass a multiple of 4"]
+    assert error("--window", "16", "--window_iters", "99") == [
+        "error: --window_iters 99: pass the step (1 to --num_iterations 6) at which the schedule reaches --window, "
+        "or 0 for none"]
     assert not (tmp_path / "run").exists()
 
 
-def test_the_sampled_softmax_lasts_its_steps_and_draws_by_seed_step_and_micro_batch():
+def test_the_sampled_softmax_draws_by_seed_step_and_micro_batch():
     from types import SimpleNamespace
-    args = parse("--sampled_softmax", "32", "--sampled_softmax_iters", "50")
-    assert [softmax_columns_at(step, args) for step in (0, 49, 50, 999)] == [32, 32, 0, 0]
-    assert warm_up_steps(args, VARIANTS["d12"]) == [0, 0, 0, 50, 50, 50]  # the full softmax is a graph of its own
-    # A sample that lasts the whole run (d12_fast's: schedule and overtime) never meets the full softmax in
-    # training, so its graph is not built.
-    whole = parse("--sampled_softmax", "32", "--sampled_softmax_iters", "300", "--num_iterations", "300")
-    assert warm_up_steps(whole, VARIANTS["d12"]) == [0, 0, 0]
-    overtime = ("--overtime_steps", "100", "--lr_floor", "0.1")
-    assert warm_up_steps(parse(*overtime, "--sampled_softmax", "32", "--sampled_softmax_iters", "400",
-                               "--num_iterations", "300"), VARIANTS["d12"]) == [0, 0, 0]
-    assert warm_up_steps(parse(*overtime, "--sampled_softmax", "32", "--sampled_softmax_iters", "300",
-                               "--num_iterations", "300"), VARIANTS["d12"]) == [0, 0, 0, 300, 300, 300]
+    args, weights = parse("--sampled_softmax", "32"), torch.zeros(256)
+    assert warm_up_steps(args, VARIANTS["d12"]) == [0, 0, 0]  # one softmax over the whole run: one graph
     env = SimpleNamespace(device=torch.device("cpu"), rank=0)
-    first = softmax_sample(7, 1, args, 256, env)
+    first = softmax_sample(7, 1, args, 256, env, weights)
     assert first.columns == 32 and first.draws.shape == (256,)
-    assert torch.equal(first.draws, softmax_sample(7, 1, args, 256, env).draws)  # a resumed run draws the same
-    others = [softmax_sample(7, 0, args, 256, env), softmax_sample(8, 1, args, 256, env),
-              softmax_sample(7, 1, parse("--sampled_softmax", "32", "--sampled_softmax_iters", "50", "--seed", "1"),
-                             256, env), softmax_sample(7, 1, args, 256, SimpleNamespace(device=env.device, rank=1))]
+    assert torch.equal(first.draws, softmax_sample(7, 1, args, 256, env, weights).draws)  # a resumed run: the same
+    others = [softmax_sample(7, 0, args, 256, env, weights), softmax_sample(8, 1, args, 256, env, weights),
+              softmax_sample(7, 1, parse("--sampled_softmax", "32", "--seed", "1"), 256, env, weights),
+              softmax_sample(7, 1, args, 256, SimpleNamespace(device=env.device, rank=1), weights)]
     assert not any(torch.equal(first.draws, other.draws) for other in others)
-    assert softmax_sample(50, 0, args, 256, env) is None
+    assert softmax_sample(7, 0, parse(), 256, env, weights) is None
     # With --sampled_softmax_tokens, a micro-batch of two groups draws what two micro-batches of one would.
-    grouped = parse("--sampled_softmax", "32", "--sampled_softmax_iters", "50", "--sampled_softmax_tokens", "64")
-    pair = softmax_sample(7, 1, grouped, 256, env, micro_tokens=128)
+    grouped = parse("--sampled_softmax", "32", "--sampled_softmax_tokens", "64")
+    pair = softmax_sample(7, 1, grouped, 256, env, weights, micro_tokens=128)
     assert pair.draws.shape == (2, 256)
-    assert torch.equal(pair.draws[0], softmax_sample(7, 2, grouped, 256, env, micro_tokens=64).draws)
-    assert torch.equal(pair.draws[1], softmax_sample(7, 3, grouped, 256, env, micro_tokens=64).draws)
+    assert torch.equal(pair.draws[0], softmax_sample(7, 2, grouped, 256, env, weights, micro_tokens=64).draws)
+    assert torch.equal(pair.draws[1], softmax_sample(7, 3, grouped, 256, env, weights, micro_tokens=64).draws)
 
 
-def test_a_sampled_softmax_run_samples_for_its_steps_and_says_what_its_training_loss_is(tmp_path, shards, capsys,
+def test_a_sampled_softmax_run_samples_every_step_and_says_what_its_training_loss_is(tmp_path, shards, capsys,
                                                                                         monkeypatch):
     seen = record_training_passes(
         monkeypatch, lambda kwargs: None if kwargs["sampled_softmax"] is None else kwargs["sampled_softmax"].columns)
-    assert main(tiny_run_args(shards, tmp_path, "run", "--sampled_softmax", "64", "--sampled_softmax_iters", "4")) == 0
+    assert main(tiny_run_args(shards, tmp_path, "run", "--sampled_softmax", "64")) == 0
     out = capsys.readouterr().out
-    assert seen == [64] * 8 + [None] * 4  # 6 steps of 2 micro-batches, the last two on the full softmax
-    assert "sampled softmax: 64 of 256 columns (uniform draws) for the first 4 steps, against the " in out
+    assert seen == [64] * 12  # 6 steps of 2 micro-batches
+    assert ("sampled softmax: 64 of 256 columns (drawn by the counts in the first 40,000 training tokens), against "
+            "the ") in out
     assert ("distinct tokens of the first micro-batch; their logged training loss is that softmax's estimate of "
             "the full one (evaluation always scores the full softmax)") in out
     steps = [r for r in read_metrics(tmp_path / "run") if "train_loss" in r]
@@ -142,13 +134,11 @@ def test_frequency_draws_weigh_each_token_by_its_count_in_the_first_training_tok
     import glob
     from train_gpt2 import load_shard
     weights = record_training_passes(monkeypatch, lambda kwargs: kwargs["sampled_softmax"].log_weights)
-    flags = ("--sampled_softmax", "64", "--sampled_softmax_iters", "6", "--sampled_softmax_draws", "frequency",
-             "--sampled_softmax_count_tokens", "25000")  # the first shard and 5,000 of the second's
-    assert main(tiny_run_args(shards, tmp_path, "run", *flags)) == 0
+    monkeypatch.setattr(train_gpt2, "FREQUENCY_COUNT_TOKENS", 25_000)  # the first shard and 5,000 of the second's
+    assert main(tiny_run_args(shards, tmp_path, "run", "--sampled_softmax", "64")) == 0
     out, err = capsys.readouterr()
-    assert "sampled softmax: 64 of 256 columns (frequency draws, by the counts in the first 25,000 training tokens)" \
-        in out
-    assert "sampled_softmax_draws" not in err  # the data holds more than the counted tokens: no notice
+    assert "sampled softmax: 64 of 256 columns (drawn by the counts in the first 25,000 training tokens)" in out
+    assert "the training data holds" not in err  # the data holds more than the counted tokens: no notice
     first, second = (load_shard(path, 256) for path in sorted(glob.glob(shards[0])))
     counts = np.bincount(np.concatenate([first, second[:5_000]]), minlength=256)
     assert len(weights) == 12 and all(w is weights[0] for w in weights)
@@ -165,27 +155,16 @@ def test_frequency_draws_weigh_each_token_by_its_count_in_the_first_training_tok
 
 
 def test_frequency_draws_on_less_data_than_they_count_say_so(tmp_path, shards, capsys):
-    flags = ("--sampled_softmax", "64", "--sampled_softmax_iters", "6", "--sampled_softmax_draws", "frequency",
-             "--sampled_softmax_count_tokens", "50000")  # the two shards hold 40,000
-    assert main(tiny_run_args(shards, tmp_path, "run", *flags)) == 0
+    assert main(tiny_run_args(shards, tmp_path, "run", "--sampled_softmax", "64")) == 0  # the shards hold 40,000
     out, err = capsys.readouterr()
-    assert "(frequency draws, by the counts in the first 40,000 training tokens)" in out
-    assert ("notice: --sampled_softmax_draws frequency: the training data holds 40,000 tokens, fewer than the "
-            "50,000 of --sampled_softmax_count_tokens, so its draws differ from a run on more data") in err
+    assert "(drawn by the counts in the first 40,000 training tokens)" in out
+    assert ("notice: --sampled_softmax: the training data holds 40,000 tokens, fewer than the 40,000,000 whose "
+            "counts weigh the draws, so its draws differ from a run on more data") in err
 
 
-def test_sampled_softmax_count_tokens_must_be_positive(tmp_path, shards, capsys):
-    assert main(tiny_run_args(shards, tmp_path, "run", "--sampled_softmax_count_tokens", "0")) == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "error: --sampled_softmax_count_tokens 0: pass how many training tokens the frequency draws count "
-        "(default 40,000,000)")
-
-
-@pytest.mark.parametrize("draws", ["uniform", "frequency"])
-def test_a_compiled_sampled_softmax_run_builds_both_softmaxes_graphs_in_the_warm_up(tmp_path, shards, capsys,
-                                                                                     monkeypatch, draws):
+def test_a_compiled_sampled_softmax_run_builds_its_graph_in_the_warm_up(tmp_path, shards, capsys, monkeypatch):
     counter, after_warm_up = count_compiles(monkeypatch)
-    flags = ("--compile", "--sampled_softmax", "64", "--sampled_softmax_iters", "3", "--sampled_softmax_draws", draws)
+    flags = ("--compile", "--sampled_softmax", "64")
     assert main(tiny_run_args(shards, tmp_path, "run", *flags)) == 0
     assert "graph break" not in capsys.readouterr().err
     assert counter.frame_count == after_warm_up[0] > 0  # nothing compiled in the timed steps
@@ -198,7 +177,7 @@ def test_a_micro_batch_with_more_distinct_tokens_than_columns_gets_a_notice(tmp_
     distinct = len(set(first.tolist()))
     assert 16 < distinct <= 64
     for columns, warned in ((16, True), (64, False)):
-        flags = ("--sampled_softmax", str(columns), "--sampled_softmax_iters", "2", "--num_iterations", "2",
+        flags = ("--sampled_softmax", str(columns), "--num_iterations", "2",
                  "--warmup_iters", "0", "--warmdown_iters", "1")
         assert main(tiny_run_args(shards, tmp_path, f"k{columns}", *flags)) == 0
         captured = capsys.readouterr()
@@ -210,9 +189,8 @@ def test_a_micro_batch_with_more_distinct_tokens_than_columns_gets_a_notice(tmp_
     # With a sample per 32 tokens, the first 32 are what one sample's columns must hold.
     distinct = len(set(first[:32].tolist()))
     assert 16 < distinct <= 32
-    assert main(tiny_run_args(shards, tmp_path, "g16", "--sampled_softmax", "16", "--sampled_softmax_iters", "2",
-                              "--num_iterations", "2", "--warmup_iters", "0", "--warmdown_iters", "1",
-                              "--sampled_softmax_tokens", "32")) == 0
+    assert main(tiny_run_args(shards, tmp_path, "g16", "--sampled_softmax", "16", "--num_iterations", "2",
+                              "--warmup_iters", "0", "--warmdown_iters", "1", "--sampled_softmax_tokens", "32")) == 0
     captured = capsys.readouterr()
     assert f"the {distinct} distinct tokens of the first 32 tokens" in captured.out
     assert (f"notice: --sampled_softmax 16: {distinct} distinct tokens in the first 32 tokens, more than the columns, "
@@ -224,7 +202,7 @@ def test_a_sampled_softmax_per_group_of_tokens_trains_the_same_however_the_step_
     # Two micro-batches of 2 rows, or one of 4 rows: with a sample per 64 tokens (2 rows of 32) both score every
     # group against the same columns, and train alike; with a sample per micro-batch they do not.
     def run(name, batch_size, accumulation, group):
-        flags = ("--sampled_softmax", "48", "--sampled_softmax_iters", "6", "--sampled_softmax_tokens", str(group),
+        flags = ("--sampled_softmax", "48", "--sampled_softmax_tokens", str(group),
                  "--batch_size", str(batch_size), "--grad_accumulation_steps", str(accumulation))
         assert main(tiny_run_args(shards, tmp_path, name, *flags)) == 0
         rows = read_metrics(tmp_path / name)
@@ -246,13 +224,9 @@ def test_sampled_softmax_flags_explain_themselves(tmp_path, shards, capsys):
     def error(*extra):
         assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 2
         return capsys.readouterr().err.strip().splitlines()
-    together = ("error: --sampled_softmax and --sampled_softmax_iters go together: the sampled softmax of "
-                "--sampled_softmax columns trains for --sampled_softmax_iters steps; pass both (> 0) or neither")
-    assert error("--sampled_softmax", "64") == [together]
-    assert error("--sampled_softmax_iters", "5") == [together]
-    assert error("--sampled_softmax", "-1", "--sampled_softmax_iters", "5") == [
+    assert error("--sampled_softmax", "-1") == [
         "error: --sampled_softmax -1: pass how many columns to score (e.g. 16384), or 0 for the full softmax"]
-    assert error("--sampled_softmax", "64", "--sampled_softmax_iters", "5", "--sampled_softmax_tokens", "48") == [
+    assert error("--sampled_softmax", "64", "--sampled_softmax_tokens", "48") == [
         "error: --sampled_softmax_tokens 48 must divide the micro-batch's 64 tokens (--batch_size x "
         "--sequence_length); pick a divisor, or 0 for one sample per micro-batch"]
     assert error("--sampled_softmax_tokens", "-1") == [
@@ -270,10 +244,10 @@ def test_a_sample_of_the_whole_vocabulary_trains_the_full_softmax_with_a_notice(
         seen.append(kwargs.get("sampled_softmax"))
         return forward(self, idx, targets, **kwargs)
     monkeypatch.setattr(GPT, "forward", recording_forward)
-    flags = ("--sampled_softmax", "256", "--sampled_softmax_iters", "5")  # the tests' vocabulary has 256 tokens
+    flags = ("--sampled_softmax", "256")  # the tests' vocabulary has 256 tokens
     assert main(tiny_run_args(shards, tmp_path, "run", *flags)) == 0
     assert ("notice: --sampled_softmax 256 covers the whole vocabulary of 256: the full softmax trains instead"
             in capsys.readouterr().err)
     assert seen and not any(seen)
     args = json.loads((tmp_path / "run" / "config.json").read_text())["args"]
-    assert (args["sampled_softmax"], args["sampled_softmax_iters"]) == (0, 0)  # the config says what trained
+    assert args["sampled_softmax"] == 0  # the config says what trained
