@@ -55,8 +55,9 @@ class GPTConfig:
     mtp_k: int = knob(0, "multi-token prediction: also predict tokens t+2 .. t+1+k, each from its own projection "
                          "(their mean loss weighs 0.3 in the objective)")
     logit_softcap: float = knob(0.0, "> 0: logits = cap x tanh(logits / cap)")
-    # The same math in fewer passes over memory; where a kernel cannot run (a GPU without Triton, or without
-    # sm_90 for the MLP's tiles; fp32 evaluation; grouped key/value heads) its torch version runs, with a notice.
+    # The same math in fewer passes over memory. Where a kernel cannot run, its torch version does: on a GPU
+    # without Triton (or without sm_90, for the MLP's tiles) with a notice; for fp32 evaluation and grouped
+    # key/value heads silently.
     fused_kernels: bool = knob(False, "kernels.py's fast paths where the model has their shape: the head's training "
                                       "loss as one autograd function (its logits' gradient in its forward, on the "
                                       "vocabulary padded to a multiple of 64), ReLU² in the relu2 MLP's products' "
