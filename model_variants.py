@@ -290,10 +290,10 @@ RECIPES: dict[str, dict] = {
         # The local layers attend within 64 tokens first, doubling to the full 256 at 65.6% of the steps: fewer
         # tokens to the same loss, at the cost of compiling each of the three windows.
         window_iters=6560,
-        # Inductor's coordinate-descent tuning (NoCap's setting, d12's default) gains 0.4% tokens/s for 96 s
-        # more compile: off. Its combo kernels save ~1.3 ms a step for ~30 s more: the step's first micro-batch
-        # opens with dozens of tiny weight casts, which the GPU runs faster than the host launches them one by one.
-        coordinate_descent_tuning=False, combo_kernels=True),
+        # Inductor's combo kernels save ~1.3 ms a step for ~30 s more compile: the step's first micro-batch opens
+        # with dozens of tiny weight casts, which the GPU runs faster than the host launches them one by one.
+        # (Coordinate-descent tuning, NoCap's and d12's, gains 0.4% tokens/s for 96 s more compile.)
+        compile_tuning="combo_kernels"),
     # NoCap's baseline schedule (4,768 steps of 524,288 tokens, lr 1.8e-3) with two ideas of the user's plans
     # that paid on P100 together, and with the SwiGLU model: a one-cycle learning rate rising over the first 30%
     # of the steps (torch's OneCycleLR shape) and rows of 256 tokens doubling to 1024 over the first 20%. The

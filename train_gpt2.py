@@ -63,6 +63,7 @@ NOCAP_TARGET_VAL_LOSS = 3.3821
 NOCAP_VAL_TOKENS = 1_048_576  # fixed so that every run is scored on exactly the same tokens
 NOCAP_VAL_ROW = 1024  # NoCap's validation rows: 64 batches of 16 x 1024
 OPTIMIZERS = ("adamw", "adamw8bit", "lion", "muon")
+COMPILE_TUNINGS = ("coordinate_descent", "combo_kernels", "none")
 MUON_MOMENTUM = 0.95  # after --muon_momentum_warmup's rise from 0.85 (the modded-nanogpt lineage's)
 # The sampled softmax draws its columns by the token counts of this much of the training data's start (two P100
 # shards, part of one FineWeb shard): any token more frequent than one in a million is counted ~40 times. A fixed
@@ -268,13 +269,11 @@ def add_run_flags(p: argparse.ArgumentParser):
                         "a 24 GB card while running on a larger one")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model (default: on for CUDA, off for CPU)")
-    g.add_argument("--coordinate_descent_tuning", action=argparse.BooleanOptionalAction, default=True,
-                   help="let inductor tune kernel launch parameters while compiling, as NoCap does (slower "
-                        "compile, faster steps)")
-    g.add_argument("--combo_kernels", action=argparse.BooleanOptionalAction, default=False,
-                   help="let inductor launch independent small kernels of a graph as one (its horizontal fusion): "
-                        "fewer launches where the host falls behind a fast GPU, as with the casts of every weight "
-                        "at the start of a micro-batch (slower compile)")
+    g.add_argument("--compile_tuning", choices=COMPILE_TUNINGS, default="coordinate_descent",
+                   help="what inductor spends compile time on: coordinate_descent tunes each kernel's launch, as "
+                        "NoCap does (faster steps); combo_kernels launches independent small kernels of a graph as "
+                        "one, which helps where the host falls behind a fast GPU (the casts of every weight at the "
+                        "start of a micro-batch); none: the fastest compile")
     g.add_argument("--save_every", type=_parse_save_every, default="30m",
                    help="also checkpoint every N steps (500), or once N minutes have passed since the last save "
                         "(30m: a crash costs at most half an hour); 0: only the final checkpoint, always written")
@@ -2567,7 +2566,7 @@ def build_run(args, config: GPTConfig, env: Distributed, accumulation: int, run_
     raw_model = GPT(config).to(env.device)
     compiled = env.device.type == "cuda" if args.compile is None else args.compile
     if compiled:
-        configure_compile(args.coordinate_descent_tuning, args.combo_kernels)
+        configure_compile(args.compile_tuning)
     # What fixes the data walk, and what the evaluated model is.
     layout = dict(model_config=asdict(config), batch_size=args.batch_size, sequence_length=args.sequence_length,
                   world_size=env.world_size, grad_accumulation_steps=accumulation)
@@ -2654,13 +2653,13 @@ def out_of_memory(where: str, B: int, T: int) -> InputError:
                       "double --grad_accumulation_steps (same tokens per step)")
 
 
-def configure_compile(coordinate_descent_tuning: bool, combo_kernels: bool):
-    """Sets inductor's process-wide tuning and horizontal-fusion switches (the trainer and
-    scripts/profile_model.py compile the same way). torch.compile runs in its default mode: the modes with CUDA
-    graphs would rebuild them for each window and row-length stage, and the step keeps the GPU busy already."""
+def configure_compile(tuning: str):
+    """Sets inductor's process-wide tuning (--compile_tuning; the trainer and scripts/profile_model.py compile
+    the same way). torch.compile runs in its default mode: the modes with CUDA graphs would rebuild them for each
+    window and row-length stage, and the step keeps the GPU busy already."""
     import torch._inductor.config as inductor_config
-    inductor_config.coordinate_descent_tuning = coordinate_descent_tuning
-    inductor_config.combo_kernels = combo_kernels
+    inductor_config.coordinate_descent_tuning = tuning == "coordinate_descent"
+    inductor_config.combo_kernels = tuning == "combo_kernels"
 
 
 def synchronize(device: torch.device):
@@ -3052,15 +3051,8 @@ def list_models() -> str:
         rows.append(f"{name:<11}{config.n_layer:>7}{config.n_head:>6}{config.kv_heads:>4}{config.n_embd:>6}"
                     f"{model.num_params() / 1e6:>8.1f}M{model.active_params() / 1e6:>8.1f}M  {changed}")
     for name, recipe in RECIPES.items():
-        rows.append(f"--model {name} also sets: " + " ".join(flag_text(flag, value) for flag, value in recipe.items()))
+        rows.append(f"--model {name} also sets: " + " ".join(f"--{flag} {value}" for flag, value in recipe.items()))
     return "\n".join(rows)
-
-
-def flag_text(flag: str, value) -> str:
-    """How a flag with this value is written on the command line (on/off flags as --x / --no-x)."""
-    if isinstance(value, bool):
-        return f"--{flag}" if value else f"--no-{flag}"
-    return f"--{flag} {value}"
 
 
 def report_input_errors(action) -> int:

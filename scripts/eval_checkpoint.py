@@ -14,7 +14,8 @@ from train_gpt2 import (NOCAP_VAL_ROW, ArgumentParser, InputError, ValidationSet
                         model_from_checkpoint, pick_device, report_input_errors)
 
 
-def score(model, val_bin: str, val_tokens: int, val_batch_size: int, sequence_length: int, dtype: str = "fp32") -> float:
+def score(model, val_bin: str, val_tokens: int, val_batch_size: int, sequence_length: int,
+          dtype: str = "fp32") -> float:
     """Mean next-token loss of `model` on the first val_tokens tokens of the first shard matching val_bin."""
     device = next(model.parameters()).device
     val = ValidationSet(val_bin, val_tokens, val_batch_size, sequence_length, rank=0, world_size=1,

@@ -108,7 +108,7 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
     # AdamW, combo kernels, no coordinate-descent tuning).
     recipe = parse_args(["--model", args.model])
     if args.compile:
-        configure_compile(recipe.coordinate_descent_tuning, recipe.combo_kernels)
+        configure_compile(recipe.compile_tuning)
     optimizer = make_optimizer(model, recipe, device, args.compile)
     # The head the model trains with: its recipe's sampled softmax unless --sampled_softmax says otherwise, checked
     # as the trainer checks it (columns that span the vocabulary leave the full softmax).

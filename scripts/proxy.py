@@ -41,8 +41,8 @@ NOCAP_STEPS, NOCAP_WARMUP, NOCAP_WARMDOWN = 4768, 256, 1024
 # Flags counted in optimizer steps: what --budget scales with the run's length, each within the run.
 STEP_FLAGS = ("num_iterations", *SCHEDULE_STEP_FLAGS)
 # Every proxy run: the whole schedule (no early stop), scored under autocast like training (bf16: a sweep
-# setting, so proxy losses are compared only with proxy losses), no coordinate-descent tuning (compile time).
-COMMON_FLAGS = dict(target_val_loss=0, val_dtype="bf16", coordinate_descent_tuning=False)
+# setting, so proxy losses are compared only with proxy losses).
+COMMON_FLAGS = dict(target_val_loss=0, val_dtype="bf16")
 FWTEXTFIXER = ("fwtextfixer_val_000000.bin", 212_992)  # 300 general FineWeb documents
 FWLEGAL = ("fwlegal_val_000000.bin", 1_048_576)  # FineWeb documents around legal topics (biased, but many)
 
@@ -115,8 +115,7 @@ def parse_tokens(text: str) -> int:
 
 
 def as_flags(values: dict) -> list[str]:
-    return [f"--{flag}" if value is True else f"--no-{flag}" if value is False else f"--{flag}={value}"
-            for flag, value in values.items()]
+    return [f"--{flag}={value}" for flag, value in values.items()]
 
 
 @dataclass
@@ -182,7 +181,9 @@ def parse_spec(protocol: Protocol, text: str, common: list[str] = ()) -> Spec:
     if not budget_given and args.num_iterations * step_tokens > protocol.tokens:
         raise InputError(f"spec {text!r}: {model}'s schedule reads {args.num_iterations * step_tokens / 1e6:,.0f}M "
                          f"tokens, more than {protocol.name}'s {protocol.tokens / 1e6:.0f}M; pass --budget")
-    flags = [*as_flags(COMMON_FLAGS), *as_flags(schedule), *own]
+    # No coordinate-descent tuning (it costs compile time only); a recipe's own tuning (combo kernels) stays.
+    tuning = dict(compile_tuning="none") if args.compile_tuning == "coordinate_descent" else {}
+    flags = [*as_flags(COMMON_FLAGS), *as_flags(tuning), *as_flags(schedule), *own]
     return Spec(name, model, flags, step_tokens, args.num_iterations)
 
 

@@ -109,7 +109,7 @@ def test_the_compiled_step_gets_the_kernel_table(capsys):
 
 
 def test_the_profiled_compile_is_the_trainers(monkeypatch):
-    # The model's recipe's coordinate-descent and combo-kernel settings (d12: on, off; d12_fast: off, on).
+    # The model's recipe's compile tuning (d12: coordinate descent; d12_fast: combo kernels).
     import torch._inductor.config as inductor_config
     calls = []
     monkeypatch.setattr(profile_model.torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)

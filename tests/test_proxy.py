@@ -54,6 +54,8 @@ def test_budget_keeps_the_schedules_shape():
     assert (spec.name, spec.steps, spec.tokens_per_step) == ("big", 76, 262_144)
     assert (args["warmdown_iters"], args["muon_momentum_warmup"], args["val_loss_every"]) == (76, 11, 2)
     assert args["optimizer"] == "muon" and args["lr_floor"] == 0.1  # the rest of the recipe stays
+    # no coordinate-descent tuning (compile time only), but a recipe's own tuning stays
+    assert (args["compile_tuning"], trainer_view("P100", "d12")[1]["compile_tuning"]) == ("combo_kernels", "none")
 
 
 def test_d12_fasts_p100_form_is_its_recipe_at_20m_tokens():

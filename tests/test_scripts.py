@@ -88,7 +88,8 @@ def test_throughput_sh_runs_the_40_step_protocol_for_each_model(tmp_path):
         args = json.loads((run_dir / "config.json").read_text())["args"]
         assert (args["num_iterations"], args["warmup_iters"], args["warmdown_iters"], args["val_loss_every"]) == \
             (40, 4, 4, 0)
-        assert args["coordinate_descent_tuning"] is False and args["memory_cap_gib"] is None
+        assert args["memory_cap_gib"] is None
+        assert args["compile_tuning"] == ("combo_kernels" if model == "d12_fast" else "none")  # no tuning: compile
         assert args["window_iters"] == 0  # d12_fast's window warmup off: the full window
         assert json.loads((run_dir / "summary.json").read_text())["steps"] == 40
     assert bash("scripts/throughput.sh", str(tmp_path / "missing")).returncode == 2

@@ -494,9 +494,10 @@ def test_compile_reaches_every_graph_with_the_inductor_settings_asked_for(tmp_pa
         assert "muon_update" in compiled  # Muon's update is compiled with the model
         # the trainer's defaults, set for the process
         assert inductor_config.coordinate_descent_tuning and not inductor_config.combo_kernels
-        assert run(capsys, shards, tmp_path, "plain", "--compile", "--no-coordinate_descent_tuning",
-                   "--combo_kernels", *extra)[0] == 0
+        assert run(capsys, shards, tmp_path, "combo", "--compile", "--compile_tuning", "combo_kernels", *extra)[0] == 0
         assert not inductor_config.coordinate_descent_tuning and inductor_config.combo_kernels
+        assert run(capsys, shards, tmp_path, "plain", "--compile", "--compile_tuning", "none", *extra)[0] == 0
+        assert not inductor_config.coordinate_descent_tuning and not inductor_config.combo_kernels
     compiled.clear()
     assert run(capsys, shards, tmp_path, "eager", "--optimizer", "muon", *extra)[0] == 0
     assert compiled == []
@@ -838,11 +839,8 @@ def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
     assert (fast.sampled_softmax, d12.sampled_softmax) == (16384, 0)
     assert d12.normuon_beta2 == 0.0
     assert parse_args(["--model", "d12_fast", "--batch_size", "16"]).batch_size == 16
-    assert d12.coordinate_descent_tuning and not fast.coordinate_descent_tuning  # on/off flags too
-    assert fast.combo_kernels and not d12.combo_kernels
-    assert not parse_args(["--model=d12_fast", "--no-combo_kernels"]).combo_kernels
-    assert not parse_args(["--model=d12_fast", "--no-coordinate_descent_tuning"]).coordinate_descent_tuning
-    assert parse_args(["--model=d12_fast", "--coordinate_descent_tuning"]).coordinate_descent_tuning
+    assert (d12.compile_tuning, fast.compile_tuning) == ("coordinate_descent", "combo_kernels")
+    assert parse_args(["--model=d12_fast", "--compile_tuning", "none"]).compile_tuning == "none"
     mine = parse_args(["--model=d12_fast", "--optimizer", "adamw", "--lr_floor", "0"])
     assert (mine.optimizer, mine.lr_floor, mine.muon_lr) == ("adamw", 0.0, fast.muon_lr)
     # Either batch flag replaces the recipe's batch size, so the two can never contradict each other.
@@ -859,7 +857,7 @@ def test_list_models(capsys):
     assert rows.keys() == VARIANTS.keys()
     recipes = {line.split()[1]: line for line in lines if line.startswith("--model")}
     assert recipes["d12_fast"].startswith("--model d12_fast also sets: --optimizer muon")
-    assert recipes["d12_fast"].endswith(" --no-coordinate_descent_tuning --combo_kernels")  # as the flags are typed
+    assert recipes["d12_fast"].endswith(" --compile_tuning combo_kernels")  # as the flags are typed
     assert recipes["d12_nocap"] == ("--model d12_nocap also sets: --lr_schedule one_cycle --warmup_iters 1430 "
                                     "--curriculum_iters 954")
     assert rows["d12"].split()[5:7] == ["123.5M", "123.5M"]  # 50257*768 + 12*12*768^2, all active
