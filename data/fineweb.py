@@ -19,8 +19,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import (HEADER_BYTES, ArgumentParser, InputError, need_package, read_shard_header,  # noqa: E402
-                        report_input_errors, write_shard)
+from data.shards import (HEADER_BYTES, ArgumentParser, InputError, need_package, read_shard_header,  # noqa: E402
+                         write_shard)
 
 CACHED_REPO = "kjj0/fineweb10B-gpt2"  # the shards NoCap-Test and modded-nanogpt train on
 CACHED_TRAIN_SHARDS = 103  # available in that repository (100M tokens each)
@@ -201,16 +201,17 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=None, help="raw: tokenizer processes (default: cores - 1)")
     args = p.parse_args(argv)
 
-    def fetch() -> int:
+    try:
         if args.source == "cached":
             paths = download_cached(args.output_dir, args.num_train_shards)
         else:
             paths = tokenize_to_shards(iter_texts(args.input), args.output_dir, args.prefix, args.shard_size,
                                        args.max_tokens, args.workers)
-        print(f"{len(paths)} shards in {args.output_dir}")
-        return 0
-
-    return report_input_errors(fetch)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{len(paths)} shards in {args.output_dir}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED_DATA / "tiktoken").is_dir(
 from model_variants import GPTConfig  # noqa: E402
 import kernels  # noqa: E402
 import train_gpt2  # noqa: E402
-from train_gpt2 import write_shard  # noqa: E402
+from data.shards import write_shard  # noqa: E402
 
 SMALL_VOCAB = 256  # synthetic runs override vocab_size so the lm_head stays cheap
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import make_shards
-from train_gpt2 import (HEADER_BYTES, SHARD_MAGIC, InputError, TokenLoader, ValidationSet, load_shard,
-                        read_shard_header, write_shard)
+from data.shards import HEADER_BYTES, SHARD_MAGIC, InputError, load_shard, read_shard_header, write_shard
+from train_gpt2 import TokenLoader, ValidationSet
 
 CPU = torch.device("cpu")
 

@@ -13,7 +13,7 @@ from conftest import REPO, SHARED_DATA
 
 sys.path.insert(0, str(REPO / "data"))
 import fineweb  # noqa: E402
-from train_gpt2 import InputError, load_shard, read_shard_header, write_shard  # noqa: E402
+from data.shards import InputError, load_shard, read_shard_header, write_shard  # noqa: E402
 
 PARQUET = SHARED_DATA / "fineweb_sample" / "fineweb_sample_3100docs.parquet"
 
@@ -193,3 +193,13 @@ def test_a_failed_transfer_is_one_line_and_leaves_nothing(tmp_path, capsys, monk
                        "Connection refused); check the network (or HF_ENDPOINT) and run again — complete shards "
                        "are kept")
     assert [p.name for p in (tmp_path / "fw").iterdir()] == [".download"]  # no shard: only where a retry resumes
+
+
+def test_getting_shards_does_not_import_torch(tmp_path):
+    # The download and the tokenizer need the shard format, not the trainer: a data machine needs no torch.
+    import subprocess
+    code = ("import sys, fineweb; assert 'torch' not in sys.modules, 'torch imported'; "
+            f"sys.exit(fineweb.main(['--source', 'raw', '--input', {str(tmp_path / 'none*.jsonl')!r}]))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO / "data", capture_output=True, text=True)
+    assert result.returncode == 2 and "torch imported" not in result.stderr
+    assert result.stderr.strip().startswith("error: ")  # no such files (or, without datasets, its install line)

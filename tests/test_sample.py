@@ -5,7 +5,8 @@ import json
 import pytest
 
 from conftest import REPO
-from train_gpt2 import load_shard, main
+from data.shards import load_shard
+from train_gpt2 import main
 
 SAMPLE = REPO / "data" / "sample"
 

@@ -663,7 +663,7 @@ def test_out_of_vocab_shard_is_reported(tmp_path, capsys):
 
 def test_a_bad_token_in_a_later_shard_stops_the_run_before_step_0(tmp_path, capsys):
     import numpy as np
-    from train_gpt2 import write_shard
+    from data.shards import write_shard
     shards = make_shards(tmp_path / "d", n_train=3)
     tokens = np.random.default_rng(0).integers(0, 256, 20_000)
     tokens[12_345] = 300

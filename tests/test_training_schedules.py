@@ -132,7 +132,7 @@ def test_a_sampled_softmax_run_samples_every_step_and_says_what_its_training_los
 def test_frequency_draws_weigh_each_token_by_its_count_in_the_first_training_tokens(tmp_path, shards, capsys,
                                                                                     monkeypatch):
     import glob
-    from train_gpt2 import load_shard
+    from data.shards import load_shard
     weights = record_training_passes(monkeypatch, lambda kwargs: kwargs["sampled_softmax"].log_weights)
     monkeypatch.setattr(train_gpt2, "FREQUENCY_COUNT_TOKENS", 25_000)  # the first shard and 5,000 of the second's
     assert main(tiny_run_args(shards, tmp_path, "run", "--sampled_softmax", "64")) == 0
@@ -172,7 +172,7 @@ def test_a_compiled_sampled_softmax_run_builds_its_graph_in_the_warm_up(tmp_path
 
 def test_a_micro_batch_with_more_distinct_tokens_than_columns_gets_a_notice(tmp_path, shards, capsys):
     import glob
-    from train_gpt2 import load_shard
+    from data.shards import load_shard
     first = load_shard(sorted(glob.glob(shards[0]))[0], 256)[:2 * 32]  # the first micro-batch: 2 rows of 32
     distinct = len(set(first.tolist()))
     assert 16 < distinct <= 64

@@ -1,0 +1,1 @@
+"""Getting FineWeb as token shards (fineweb.py) and their format (shards.py)."""
