@@ -431,9 +431,9 @@ class Rotary(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, T: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 (1, T, 1, rotary_dim/2) tables for positions start..start+T-1, broadcast over batch and heads."""
-        return self.cos[None, start:start + T, None, :], self.sin[None, start:start + T, None, :]
+    def forward(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 (1, T, 1, rotary_dim/2) tables for positions 0..T-1, broadcast over batch and heads."""
+        return self.cos[None, :T, None, :], self.sin[None, :T, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -453,14 +453,11 @@ def may_attend(i: torch.Tensor, j: torch.Tensor, window: int, chunked: bool) -> 
     return causal & (i // window == j // window if chunked else i - j < window)
 
 
-def causal_mask(T: int, window: int, device, n_keys: int | None = None, chunked: bool = False,
-                docs: torch.Tensor | None = None) -> torch.Tensor:
-    """(T, n_keys) boolean, may_attend for every query and key. With a KV cache the T queries are the last
-    T of n_keys positions. With docs (B, T) document numbers, (B, 1, T, T): also only within a document."""
-    n_keys = n_keys or T
-    i = torch.arange(n_keys - T, n_keys, device=device)[:, None]
-    j = torch.arange(n_keys, device=device)[None, :]
-    mask = may_attend(i, j, window, chunked)
+def causal_mask(T: int, window: int, device, chunked: bool = False, docs: torch.Tensor | None = None) -> torch.Tensor:
+    """(T, T) boolean, may_attend for every query and key; with docs (B, T) document numbers, (B, 1, T, T): also
+    only within a document."""
+    positions = torch.arange(T, device=device)
+    mask = may_attend(positions[:, None], positions[None, :], window, chunked)
     if docs is not None:
         mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
     return mask
@@ -579,61 +576,29 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: s
     return y.unflatten(0, (B, -1)).transpose(1, 2).flatten(2, 3)[:, :, :T]
 
 
-def bigram_ids(idx: torch.Tensor, rows: int, previous: torch.Tensor | None = None) -> torch.Tensor:
+def bigram_ids(idx: torch.Tensor, rows: int) -> torch.Tensor:
     """Each position's row in a hashed bigram table of `rows` rows (GPTConfig.bigram_embed): a hash of (the
-    token before it, the token) over rows 0 .. rows - 2. idx (B, T); `previous` (B, 1) is the token before
-    idx's first column (decoding: the cache's last token); without it the first column, which has no pair in
-    the row, takes the reserved last row."""
-    before = previous if previous is not None else torch.full_like(idx[:, :1], -1)
-    prev = torch.cat([before, idx[:, :-1]], dim=1).long()
+    token before it, the token) over rows 0 .. rows - 2; the first column, which has no pair in the row, takes
+    the reserved last row."""
+    prev = F.pad(idx[:, :-1].long(), (1, 0), value=-1)
     hashed = ((idx.long() * 1_000_003) ^ (prev * 998_244_353)) % (rows - 1)  # token ids < 2^17: no overflow
     return torch.where(prev < 0, rows - 1, hashed)
 
 
-class KVCache:
-    """Keys and values of every position seen so far, per layer, for incremental decoding: each new
-    token then costs one position's worth of attention instead of re-running the whole prefix."""
-
-    def __init__(self, n_layer: int):
-        self.keys: list = [None] * n_layer
-        self.values: list = [None] * n_layer
-        self.length = 0  # positions already cached (the next token's position)
-        self.last_token: torch.Tensor | None = None  # (B, 1): the bigram embedding's pair across calls
-
-    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append (B, n_kv_head, T_new, head_dim) keys/values; return all of this layer's so far."""
-        if self.keys[layer] is not None:
-            k, v = torch.cat([self.keys[layer], k], dim=2), torch.cat([self.values[layer], v], dim=2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
-
-
-def cached_attention(q, k, v, layer: int, window: int, chunked: bool, cache: KVCache) -> torch.Tensor:
-    """Attention of new queries over cached plus new keys (decoding); SDPA with an explicit mask,
-    since its is_causal flag aligns the mask to the top-left when there are more keys than queries."""
-    k, v = cache.extend(layer, k, v)
-    mask = causal_mask(q.size(-2), window, q.device, n_keys=k.size(-2), chunked=chunked)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.size(1) != q.size(1))
-
-
 class Attention(nn.Module):
-    """What both attention forms share: the layer's window, and the seam that attends (over the KV cache
-    while decoding) and projects the heads back into the stream through the subclass's c_proj."""
+    """What both attention forms share: the layer's window, and the seam that attends and projects the heads
+    back into the stream through the subclass's c_proj."""
 
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.config, self.layer, self.window = config, layer, config.layer_window(layer)
 
-    def attend(self, q, k, v, masking: Masking | None = None, cache: KVCache | None = None) -> torch.Tensor:
+    def attend(self, q, k, v, masking: Masking | None = None) -> torch.Tensor:
         """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) -> (B, T, n_embd)."""
-        c = self.config
-        if cache is not None:
-            y = cached_attention(q, k, v, self.layer, self.window, c.chunked_windows, cache)
-        else:
-            masking = masking or Masking()
-            window = masking.window(self.window)
-            y = causal_attention(q, k, v, c.attn_impl, window, masking.block_masks and masking.block_masks[window],
-                                 c.chunked_windows, masking.docs, c.fused_kernels)
+        c, masking = self.config, masking or Masking()
+        window = masking.window(self.window)
+        y = causal_attention(q, k, v, c.attn_impl, window, masking.block_masks and masking.block_masks[window],
+                             c.chunked_windows, masking.docs, c.fused_kernels)
         B, _, T, _ = q.shape
         y = y.transpose(1, 2)  # (B, T, n_head, head_dim)
         return self.c_proj(y.reshape(B, T, c.n_embd))
@@ -655,7 +620,7 @@ class CausalSelfAttention(Attention):
         has_table = config.value_embed_table(layer) is not None
         self.ve_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if has_table else None
 
-    def forward(self, x, cos, sin, masking: Masking | None = None, cache: KVCache | None = None, v0=None, ve=None):
+    def forward(self, x, cos, sin, masking: Masking | None = None, v0=None, ve=None):
         """Returns the attention output and the values used (block 0's feed the value residual). ve: this
         block's value-embedding rows (B, T, kv width), or None."""
         B, T, C = x.shape
@@ -672,12 +637,12 @@ class CausalSelfAttention(Attention):
         if self.ve_mix is not None:
             v = self.ve_mix[0] * v + self.ve_mix[1] * ve.view_as(v).to(v.dtype)  # the table is fp32 under autocast
         values = v
-        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking, cache), values
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking), values
 
 
 class LatentAttention(Attention):
     """Multi-head latent attention (DeepSeek-V2 MLA). Keys and values are expanded from one
-    kv_lora_rank-wide latent per token (the only per-token K/V state a cache would keep), plus
+    kv_lora_rank-wide latent per token (the only per-token K/V state a decoding cache would keep), plus
     rotary_dim rotary key dimensions shared by all heads; rotary embedding touches only those
     decoupled dimensions, so the latent's up-projection could be folded into the query at inference."""
 
@@ -689,7 +654,7 @@ class LatentAttention(Attention):
         self.c_kv_up = nn.Linear(config.kv_lora_rank, config.n_head * (self.nope_dim + config.head_dim), bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, masking: Masking | None = None, cache: KVCache | None = None, v0=None, ve=None):
+    def forward(self, x, cos, sin, masking: Masking | None = None, v0=None, ve=None):
         B, T, C = x.shape
         c = self.config
         q_nope, q_rope = self.c_q(x).view(B, T, c.n_head, c.head_dim).split((self.nope_dim, c.rotary_dim), dim=-1)
@@ -702,7 +667,7 @@ class LatentAttention(Attention):
         k = torch.cat([k_nope, k_rope.expand(B, T, c.n_head, c.rotary_dim)], dim=-1)
         if c.qk_norm:
             q, k = rms_norm(q), rms_norm(k)
-        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking, cache), None
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking), None
 
 
 def mlp_activation(h: torch.Tensor, act: str) -> torch.Tensor:
@@ -841,14 +806,14 @@ class Block(nn.Module):
         # x0 shortcut: the block reads a learned blend of the stream and the embedding, starting at the stream.
         self.x_mix = nn.Parameter(torch.tensor([1.0, 0.0])) if config.x0_mix else None
 
-    def forward(self, x, x0, v0, cos, sin, masking: Masking | None = None, cache: KVCache | None = None, ve=None):
+    def forward(self, x, x0, v0, cos, sin, masking: Masking | None = None, ve=None):
         """Returns the new residual stream, the attention values (for the value residual) and, for an
         MoE block, its (aux loss, expert load). x0 is the embedding stream, v0 block 0's values (None in
         block 0), ve the block's value-embedding rows (or None), masking what limits attention beyond
         causality and the layer's window (None: nothing)."""
         if self.x_mix is not None:
             x = self.x_mix[0] * x + self.x_mix[1] * x0
-        y, values = self.attn(rms_norm(x), cos, sin, masking, cache, v0, ve)
+        y, values = self.attn(rms_norm(x), cos, sin, masking, v0, ve)
         x = x + self.attn_scale * y
         if isinstance(self.mlp, MoE):
             y, aux, load = self.mlp(rms_norm(x))
@@ -993,26 +958,21 @@ class GPT(nn.Module):
         means = torch.stack([cross_entropy(logits, stacked[..., k]) for k in range(n_targets)])
         return (weights * means).sum(), means.detach()
 
-    def forward(self, idx, targets=None, return_logits=True, cache: KVCache | None = None,
-                drop_blocks: tuple[int, ...] = (), local_window: int = 0, sampled_softmax: SoftmaxSample | None = None):
+    def forward(self, idx, targets=None, return_logits=True, drop_blocks: tuple[int, ...] = (), local_window: int = 0,
+                sampled_softmax: SoftmaxSample | None = None):
         """idx, targets: (B, T) token ids. Returns (logits or None, loss or None, aux). The loss is the
         next-token cross-entropy in eval mode and the training objective (plus weighted MTP and MoE terms)
         in training mode; `aux` holds the terms (detached) for logging, empty in eval mode.
-        With a KV cache, idx continues the cached sequence (decoding). In training mode the blocks in
-        drop_blocks pass the stream through unchanged (LayerDrop); in eval mode every block runs. A
-        local_window other than 0 replaces the local layers' window (the window warmup; training only), and
-        a sampled_softmax replaces the next-token head's full softmax (training only; see head_loss).
-        With doc_mask, attention stays within the documents of each row (document_ids)."""
-        B, T = idx.shape
-        start = cache.length if cache is not None else 0
-        if start + T > self.config.block_size:
-            raise ValueError(f"sequence of {start + T} tokens is longer than block_size {self.config.block_size}")
-        cos, sin = self.rotary(T, start)
-        masking = self.masking(idx, cache, local_window)
-        x, moe_terms = self.run_blocks(self.embed(idx), idx, cos, sin, masking, cache, drop_blocks)
-        if cache is not None:
-            cache.length += T
-            cache.last_token = idx[:, -1:]
+        In training mode the blocks in drop_blocks pass the stream through unchanged (LayerDrop); in eval mode
+        every block runs. A local_window other than 0 replaces the local layers' window (the window warmup;
+        training only), and a sampled_softmax replaces the next-token head's full softmax (training only; see
+        head_loss). With doc_mask, attention stays within the documents of each row (document_ids)."""
+        T = idx.size(1)
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size {self.config.block_size}")
+        cos, sin = self.rotary(T)
+        masking = self.masking(idx, local_window)
+        x, moe_terms = self.run_blocks(self.embed(idx), idx, cos, sin, masking, drop_blocks)
         h = rms_norm(x)
         if targets is None:
             return self.logits(h[:, [-1], :]), None, {}  # inference: only the last position
@@ -1022,15 +982,13 @@ class GPT(nn.Module):
         loss, aux = self.training_objective(h, targets, logits, sampled_softmax, moe_terms)
         return logits, loss, aux
 
-    def masking(self, idx: torch.Tensor, cache: KVCache | None, local_window: int) -> Masking:
+    def masking(self, idx: torch.Tensor, local_window: int) -> Masking:
         """What the blocks' attention masks: the window warmup's local window (training), the documents
         (doc_mask), and flex attention's block masks, one per distinct window."""
         c = self.config
-        if cache is not None and c.doc_mask:
-            raise ValueError("doc_mask: the KV cache keeps no document numbers; decode without it (use_cache=False)")
         masking = Masking(local_window if self.training else 0,
                           document_ids(idx, c.doc_token) if c.doc_mask else None)
-        if c.attn_impl == "flex" and cache is None:  # one mask per distinct window (local and global layers)
+        if c.attn_impl == "flex":  # one mask per distinct window (local and global layers)
             windows = sorted({masking.window(c.layer_window(i)) for i in range(c.n_layer)})
             masking.block_masks = flex_block_masks(idx.size(1), windows, idx.device, c.chunked_windows, masking.docs)
         return masking
@@ -1044,8 +1002,7 @@ class GPT(nn.Module):
             x = x.to(compute_dtype(x))  # the rest of the stream follows: bf16 branches add to bf16
         return x
 
-    def run_blocks(self, x, idx, cos, sin, masking: Masking, cache: KVCache | None,
-                   drop_blocks: tuple[int, ...]) -> tuple[torch.Tensor, list]:
+    def run_blocks(self, x, idx, cos, sin, masking: Masking, drop_blocks: tuple[int, ...]) -> tuple[torch.Tensor, list]:
         """The blocks over the stream x, with the shortcuts that join them (bigram table, U-net skips, value
         residual and value embeddings); returns the stream and the MoE layers' (balance, load) terms."""
         c = self.config
@@ -1053,8 +1010,7 @@ class GPT(nn.Module):
         value_rows = [table(idx) for table in self.value_embeds]  # (B, T, kv width) each
         bigrams = None
         if self.bigram_embed is not None:
-            rows = bigram_ids(idx, c.bigram_rows, cache.last_token if cache is not None else None)
-            bigrams = self.bigram_embed(rows).to(x.dtype)  # (B, T, n_embd)
+            bigrams = self.bigram_embed(bigram_ids(idx, c.bigram_rows)).to(x.dtype)  # (B, T, n_embd)
         n_skips = c.n_layer // 2 if c.unet_skips else 0
         for i, block in enumerate(self.transformer.h):
             if bigrams is not None:
@@ -1067,10 +1023,10 @@ class GPT(nn.Module):
             if self.training and i in drop_blocks:
                 values, moe = None, None
             elif c.activation_checkpointing and self.training:
-                x, values, moe = torch.utils.checkpoint.checkpoint(block, x, x0, v0, cos, sin, masking, None, ve,
+                x, values, moe = torch.utils.checkpoint.checkpoint(block, x, x0, v0, cos, sin, masking, ve,
                                                                    use_reentrant=False)
             else:
-                x, values, moe = block(x, x0, v0, cos, sin, masking, cache, ve)
+                x, values, moe = block(x, x0, v0, cos, sin, masking, ve)
             if i == 0 and c.value_residual:
                 v0 = values
             if i < n_skips:
@@ -1102,23 +1058,19 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 use_cache: bool = True, generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None) -> torch.Tensor:
         """Continue idx (B, T) by max_new_tokens tokens. temperature 0 is greedy (argmax); otherwise
-        sample from softmax(logits / temperature), restricted to the top_k tokens if given. With
-        use_cache the prompt is run once and each new token attends to cached keys/values; without,
-        the whole sequence is re-run for every token (the reference the cache is tested against; and the
-        way a doc_mask model decodes, since the cache keeps no document numbers)."""
+        sample from softmax(logits / temperature), restricted to the top_k tokens if given. Each new token
+        re-runs the whole sequence, as nanoGPT does: the forward stays the training one (a cache of keys and
+        values would be a second path through every block, for a tool that looks at a checkpoint's text)."""
         if idx.size(1) + max_new_tokens > self.config.block_size:
             raise ValueError(f"prompt ({idx.size(1)}) + max_new_tokens ({max_new_tokens}) exceeds block_size "
                              f"{self.config.block_size}")
         was_training = self.training
         self.eval()
-        use_cache = use_cache and not self.config.doc_mask
-        cache = KVCache(self.config.n_layer) if use_cache else None
-        out, step_input = idx, idx
+        out = idx
         for _ in range(max_new_tokens):
-            logits, _, _ = self(step_input if use_cache else out, cache=cache)
-            logits = logits[:, -1, :].float()  # (B, vocab)
+            logits = self(out)[0][:, -1, :].float()  # (B, vocab)
             if temperature == 0:
                 next_token = logits.argmax(dim=-1, keepdim=True)
             else:
@@ -1128,7 +1080,6 @@ class GPT(nn.Module):
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 next_token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
             out = torch.cat([out, next_token], dim=1)
-            step_input = next_token
         self.train(was_training)
         return out
 

@@ -3,10 +3,9 @@
     python scripts/sample.py --checkpoint logs/RUN/ckpt_004768.pt --prompt "The history of" \
         --max_new_tokens 100 --temperature 0.8 --top_k 200 --num_samples 3
 
-temperature 0 is greedy decoding (deterministic). Uses a KV cache unless --no-cache is given.
+temperature 0 is greedy decoding (deterministic).
 """
 
-import argparse
 import os
 import sys
 
@@ -38,7 +37,6 @@ def main(argv=None) -> int:
     p.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens (0 = all)")
     p.add_argument("--num_samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True, help="use the KV cache")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     args = p.parse_args(argv)
 
@@ -57,7 +55,7 @@ def main(argv=None) -> int:
         idx = torch.tensor([prompt] * args.num_samples, device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
-                                 use_cache=args.cache, generator=generator)
+                                 generator=generator)
         for i, row in enumerate(out.tolist()):
             print(f"--- sample {i}")
             print(encoder.decode(row[1:]))  # without the leading <|endoftext|>

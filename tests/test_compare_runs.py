@@ -117,7 +117,7 @@ def test_missing_or_damaged_files_give_one_error_line(tmp_path, capsys, damage, 
     elif damage == "no_metrics":
         (tmp_path / "r" / "metrics.jsonl").unlink()
     elif damage == "no_evals":
-        lines = [l for l in open(f"{run}/metrics.jsonl") if "val_loss" not in l]
+        lines = [line for line in open(f"{run}/metrics.jsonl") if "val_loss" not in line]
         open(f"{run}/metrics.jsonl", "w").write("".join(lines))
     else:
         (tmp_path / "r" / "summary.json").write_text("{")

@@ -131,7 +131,8 @@ def test_prefetched_batches_are_the_walks_and_leave_it_alone(tmp_path):
     # a checkpoint keeps) does not move until the batch is handed out, and a staged batch that the walk has
     # moved past (a skip, a restored position) is never handed out.
     train_glob, _ = make_shards(tmp_path, n_train=2, train_tokens=500)
-    make = lambda: TokenLoader(train_glob, 2, 16, 0, 1, 256, CPU)
+    def make():
+        return TokenLoader(train_glob, 2, 16, 0, 1, 256, CPU)
     plain, prefetching = make(), make()
     reads = []
     read = prefetching._read_batch

@@ -3,7 +3,6 @@ gradients, one compiled graph, a notice where its kernel cannot run), one expert
 dispatch equals the per-expert loop, routing and balance, and compiled MoE evaluation."""
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch

@@ -291,7 +291,8 @@ def test_d12_nocap_is_d12_swiglu_trained_with_the_plans_schedule_ideas():
     args = parse_args(["--model", "d12_nocap"])
     check_run_flags(args)  # its recipe is a valid run
     assert VARIANTS["d12_nocap"] == VARIANTS["d12_swiglu"]
-    assert (args.optimizer, args.learning_rate, args.num_iterations, args.lr_schedule) == ("adamw", 0.0018, 4768, "one_cycle")
+    assert (args.optimizer, args.learning_rate, args.num_iterations, args.lr_schedule) == (
+        "adamw", 0.0018, 4768, "one_cycle")
     rows = [schedule_at(step, args, D12).row_length for step in (0, 476, 477, 953, 954)]
     assert rows == [256, 256, 512, 512, 1024]
     assert lr_scale(1429, args) == 1.0 and lr_scale(4767, args) == pytest.approx(0.0)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from model_variants import TINY, with_overrides
-from train_gpt2 import GPT, KVCache, bigram_ids, causal_mask
+from train_gpt2 import GPT, bigram_ids, causal_mask
 
 from conftest import cosine
 
@@ -123,8 +123,7 @@ def test_bigram_ids_hash_each_pair_and_reserve_a_row_for_a_rows_first_position()
     assert ids[0] == 999 and max(ids[1:]) < 999  # no pair before the first token: the reserved row
     assert ids[1] == ids[3] and len({ids[1], ids[2], ids[4]}) == 3  # (5, 7) twice; (7, 5) and (7, 9) elsewhere
     full = torch.randint(0, 50257, (3, 40))
-    # A continuation given the token before it hashes as the whole sequence does (decoding in pieces).
-    assert torch.equal(bigram_ids(full[:, 17:], 777, previous=full[:, 16:17]), bigram_ids(full, 777)[:, 17:])
+    assert torch.equal(bigram_ids(full[:, 16:], 777)[:, 1:], bigram_ids(full, 777)[:, 17:])  # pairs, not positions
     pairs = bigram_ids(torch.randint(0, 50257, (1, 20_001)), 2 * 50257)[0, 1:]
     assert pairs.unique().numel() > 0.85 * 20_000  # spread like random rows (~0.91 of them distinct)
 
@@ -143,17 +142,6 @@ def test_the_bigram_embedding_starts_silent_and_trains_only_its_pairs_rows():
     assert torch.equal(touched, bigram_ids(idx, 128).unique())
 
 
-def test_decoding_in_pieces_carries_each_pieces_last_token_into_the_next_pair():
-    torch.manual_seed(0)
-    model = GPT(with_overrides(TINY, vocab_size=64, n_layer=2, bigram_embed=2)).double().eval()
-    fill_bigram_table(model)
-    seq = torch.randint(0, 64, (2, 9))
-    cache = KVCache(model.config.n_layer)
-    model(seq[:, :5], cache=cache)
-    for t in range(5, 9):
-        torch.testing.assert_close(model(seq[:, t:t + 1], cache=cache)[0], model(seq[:, :t + 1])[0])
-
-
 def test_embed_norm_makes_the_stream_blind_to_embedding_scale():
     torch.manual_seed(0)
     for embed_norm in (True, False):
@@ -163,15 +151,6 @@ def test_embed_norm_makes_the_stream_blind_to_embedding_scale():
         with torch.no_grad():
             model.transformer.wte.weight.mul_(10.0)
         assert torch.allclose(model.embed(idx), before, atol=1e-3) == embed_norm  # the fp32 norm's rounding aside
-
-
-def test_the_shortcuts_work_with_the_kv_cache():
-    torch.manual_seed(0)
-    model = GPT(with_overrides(TINY, vocab_size=64, n_layer=4, **SHORTCUTS))
-    fill_bigram_table(model)  # decoding in pieces must carry each piece's last token into the next one's pairs
-    prompt = torch.randint(0, 64, (2, 5))
-    cached = model.generate(prompt, 6, temperature=0, use_cache=True)
-    assert torch.equal(cached, model.generate(prompt, 6, temperature=0, use_cache=False))
 
 
 def test_bf16_residual_keeps_the_stream_in_autocast_dtype_and_leaves_fp32_runs_alone():

@@ -1,5 +1,5 @@
-"""Generation: the KV-cache path equals the full re-run for every attention kind, greedy decoding is
-deterministic, and scripts/sample.py prints text from a trained checkpoint."""
+"""Generation: each new token is the model's own choice over the whole sequence for every attention kind, greedy
+decoding is deterministic, and scripts/sample.py prints text from a trained checkpoint."""
 
 import sys
 from dataclasses import replace
@@ -22,16 +22,19 @@ sys.path.insert(0, str(REPO / "scripts"))
     dict(qk_norm=True, logit_softcap=15.0), dict(attn_impl="flex", window=4),
     dict(window=5, window_pattern="LG", window_kind="chunked"),
 ])
-def test_kv_cache_gives_the_same_tokens_as_rerunning_the_sequence(changes):
+def test_each_generated_token_is_the_most_likely_one_given_the_sequence_so_far(changes):
     torch.manual_seed(0)
-    model = GPT(with_overrides(TINY, vocab_size=64, block_size=48, **changes))
+    model = GPT(with_overrides(TINY, vocab_size=64, block_size=48, **changes)).eval()
     prompt = torch.randint(0, 64, (2, 7))
-    greedy_cached = model.generate(prompt, 20, temperature=0)
-    assert torch.equal(greedy_cached, model.generate(prompt, 20, temperature=0, use_cache=False))
-    sampled = [model.generate(prompt, 20, temperature=1.0, top_k=10, use_cache=use_cache,
-                              generator=torch.Generator().manual_seed(3)) for use_cache in (True, False)]
-    assert torch.equal(*sampled)
-    assert torch.equal(greedy_cached[:, :7], prompt)
+    greedy = model.generate(prompt, 20, temperature=0)
+    assert torch.equal(greedy[:, :7], prompt) and greedy.shape == (2, 27)
+    with torch.no_grad():  # the training forward's logits over the whole result: position t chose token t + 1
+        logits = model(greedy[:, :-1], greedy[:, 1:])[0]
+    assert torch.equal(logits[:, 6:].argmax(dim=-1), greedy[:, 7:])
+    assert torch.equal(model.generate(prompt, 20, temperature=1.0, top_k=1), greedy)  # top 1 of any softmax
+    sampled = [model.generate(prompt, 20, temperature=1.0, top_k=10, generator=torch.Generator().manual_seed(3))
+               for _ in range(2)]
+    assert torch.equal(*sampled) and not torch.equal(sampled[0], greedy)
 
 
 def test_greedy_sample_of_a_trained_model_is_deterministic_and_learned(tmp_path, capsys):

@@ -551,7 +551,8 @@ def test_signal_checkpoints_and_resume_matches_uninterrupted_run(tmp_path, shard
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert train_losses(tmp_path / "run") == train_losses(tmp_path / "straight")  # bitwise, on CPU
-    vals = lambda d: [(r["step"], r["val_loss"]) for r in read_metrics(d) if "val_loss" in r]
+    def vals(d):
+        return [(r["step"], r["val_loss"]) for r in read_metrics(d) if "val_loss" in r]
     assert vals(tmp_path / "run") == vals(tmp_path / "straight")
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"
 
@@ -574,7 +575,8 @@ def test_two_gloo_processes_match_one_process_with_double_accumulation(tmp_path,
     assert ddp_losses.keys() == single_losses.keys() == {1, 2, 3, 4}
     for step in ddp_losses:
         assert ddp_losses[step] == pytest.approx(single_losses[step], rel=1e-5)
-    vals = lambda d: [r["val_loss"] for r in read_metrics(d) if "val_loss" in r]
+    def vals(d):
+        return [r["val_loss"] for r in read_metrics(d) if "val_loss" in r]
     assert vals(tmp_path / "ddp") == pytest.approx(vals(tmp_path / "single"), rel=1e-5)
 
 
@@ -776,7 +778,8 @@ def test_a_bad_flag_value_is_one_line_and_where_to_look(capsys):
         main(["--batch_size", "2.5"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and len(err.splitlines()) == 1
-    assert err.startswith("error: argument --batch_size: invalid int value: '2.5' (") and "--help lists the flags)" in err
+    assert err.startswith("error: argument --batch_size: invalid int value: '2.5' (")
+    assert "--help lists the flags)" in err
     for every in ("soon", "-5m"):
         with pytest.raises(SystemExit):
             main([f"--save_every={every}"])
@@ -959,7 +962,8 @@ def test_momentum_reaches_the_muon_optimizer(tmp_path, shards, capsys, monkeypat
 def test_bf16_evaluation_is_close_to_fp32_but_not_the_same(tmp_path, shards, capsys):
     run(capsys, shards, tmp_path, "fp32")
     run(capsys, shards, tmp_path, "bf16", "--val_dtype", "bf16")
-    vals = lambda d: [r["val_loss"] for r in read_metrics(tmp_path / d) if "val_loss" in r]
+    def vals(d):
+        return [r["val_loss"] for r in read_metrics(tmp_path / d) if "val_loss" in r]
     assert train_losses(tmp_path / "fp32") == train_losses(tmp_path / "bf16")  # training untouched
     assert vals("fp32") == pytest.approx(vals("bf16"), abs=0.05) and vals("fp32") != vals("bf16")
 
