@@ -919,44 +919,40 @@ class GPT(nn.Module):
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor, logits: torch.Tensor | None = None,
                   sample: SoftmaxSample | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean cross-entropy of the head over hidden states h (B, T, n_embd) against targets (B, T), -1
-        ignored. Returns (loss, means): means (1,) is the loss, detached.
-        With a sample, the softmax is over its columns only (sampled_softmax_columns; the logits at hand are
-        the full softmax's, so they go unused), and the loss is that softmax's estimate; a sample of several
-        groups splits the positions, in order, into that many equal runs and averages their losses.
-        A pass that builds a gradient takes HeadCrossEntropy under fused_kernels (the same math, fewer passes
-        over the logits), unless the logits are at hand."""
-        stacked = targets.unsqueeze(-1)  # HeadCrossEntropy's targets per position: one column
-        weights = torch.ones(1, device=h.device)
-        if sample is not None and sample.draws.dim() == 2:  # groups of positions, each with its own columns
-            groups = sample.draws.size(0)
-            terms = [self.head_loss_of_targets(h_group, stacked_group, weights, None, sample._replace(draws=draws))
-                     for h_group, stacked_group, draws in zip(h.reshape(groups, -1, h.size(-1)),
-                                                              stacked.reshape(groups, -1, 1), sample.draws)]
-            objectives, means = zip(*terms)
-            return torch.stack(objectives).mean(), torch.stack(means).mean(dim=0)
-        return self.head_loss_of_targets(h, stacked, weights, logits, sample)
+        ignored: (the loss, the loss detached). A sample of several groups splits the positions, in order, into
+        that many equal runs, each scored by softmax_loss with its own draws, and averages their losses."""
+        if sample is None or sample.draws.dim() == 1:
+            return self.softmax_loss(h, targets, logits, sample)
+        groups = sample.draws.size(0)
+        losses = [self.softmax_loss(h_group, targets_group, None, sample._replace(draws=draws))[0]
+                  for h_group, targets_group, draws in zip(h.reshape(groups, -1, h.size(-1)),
+                                                           targets.reshape(groups, -1), sample.draws)]
+        loss = torch.stack(losses).mean()
+        return loss, loss.detach()
 
-    def head_loss_of_targets(self, h: torch.Tensor, stacked: torch.Tensor, weights: torch.Tensor,
-                             logits: torch.Tensor | None, sample: SoftmaxSample | None
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """head_loss once its targets are stacked: h (..., n_embd) against stacked (..., 1 + K), each column's
-        mean weighted by weights (1 + K,); a sample here has one group's draws (vocab,)."""
+    def softmax_loss(self, h: torch.Tensor, targets: torch.Tensor, logits: torch.Tensor | None,
+                     sample: SoftmaxSample | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """head_loss over h (..., n_embd) and targets (...) with one sample's draws (vocab,): the softmax is over
+        its columns only (sampled_softmax_columns), and the loss is that softmax's estimate; the logits at hand
+        are the full softmax's, so they go unused. A pass that builds a gradient takes HeadCrossEntropy under
+        fused_kernels (the same math, fewer passes over the logits), unless the logits are at hand."""
         c = self.config
-        n_targets = stacked.size(-1)
         weight, bias = self.lm_head.weight, None
         if sample is not None:
-            columns, bias, stacked = sampled_softmax_columns(stacked, sample, c.vocab_size)
+            columns, bias, targets = sampled_softmax_columns(targets, sample, c.vocab_size)
             weight, logits = weight[columns], None
         if logits is None and c.fused_kernels and torch.is_grad_enabled():
             kernels.kernel_runs("head loss", h.device)
-            return kernels.HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, stacked.reshape(-1, n_targets),
-                                                  weights, c.logit_softcap, compute_dtype(h), bias)
+            loss, means = kernels.HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1, 1),
+                                                         torch.ones(1, device=h.device), c.logit_softcap,
+                                                         compute_dtype(h), bias)
+            return loss, means[0]
         if logits is None:
             logits = self.logits(h, weight)
             if bias is not None:
                 logits = logits + bias
-        means = torch.stack([cross_entropy(logits, stacked[..., k]) for k in range(n_targets)])
-        return (weights * means).sum(), means.detach()
+        loss = cross_entropy(logits, targets)
+        return loss, loss.detach()
 
     def forward(self, idx, targets=None, return_logits=True, drop_blocks: tuple[int, ...] = (), local_window: int = 0,
                 sampled_softmax: SoftmaxSample | None = None):
@@ -1040,8 +1036,8 @@ class GPT(nn.Module):
         """The training loss over the final hidden states h: the next-token loss, plus the weighted MTP and MoE
         balance terms; and those terms, detached, for logging."""
         c = self.config
-        objective, target_means = self.head_loss(h, targets, logits, sampled_softmax)
-        aux = {"next_token_loss": target_means[0]}
+        objective, next_token_loss = self.head_loss(h, targets, logits, sampled_softmax)
+        aux = {"next_token_loss": next_token_loss}
         if c.mtp_k:
             mtp_losses = []
             for j, proj in enumerate(self.mtp_proj, start=1):
