@@ -78,9 +78,6 @@ class GPTConfig:
     # mirror n_layer - value_embeds + j.
     value_embeds: int = knob(0, "extra token tables blended into the values of the first and last this many "
                                 "blocks: v = a v + b e[token], a and b learned from 1/2")
-    # The stream gets the pair's identity, which attention would otherwise have to assemble.
-    bigram_embed: int = knob(0, "a hashed (previous token, token) table of bigram_embed x vocab_size rows, zero "
-                                "at first, added to every block's input with a learned weight (0: none)")
     # Every elementwise pass over the stream (norms, residual adds, mixes) moves half the bytes. No effect
     # without autocast, so fp32 evaluation is unchanged.
     bf16_residual: bool = knob(False, "the residual stream in autocast's dtype (bf16 in GPU training) instead of "
@@ -94,8 +91,7 @@ class GPTConfig:
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "block_size", "moe_topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("n_kv_head", "window", "kv_lora_rank", "moe_experts", "mtp_k", "value_embeds",
-                     "bigram_embed"):
+        for name in ("n_kv_head", "window", "kv_lora_rank", "moe_experts", "mtp_k", "value_embeds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.n_embd % self.n_head != 0:
@@ -165,10 +161,6 @@ class GPTConfig:
         multiple of 64) to match the parameters of the GELU MLP of the same ratio."""
         width = self.mlp_ratio * self.n_embd
         return max(64, round(2 * width / 3 / 64) * 64) if self.mlp_act == "swiglu" else width
-
-    @property
-    def bigram_rows(self) -> int:
-        return self.bigram_embed * self.vocab_size
 
     def value_embed_table(self, layer: int) -> int | None:
         """The value-embedding table a block blends into its values, or None: table j serves block j and block
@@ -258,7 +250,7 @@ RECIPES: dict[str, dict] = {
     # (20.4M tokens), 32 a schedule.
     # muon_lr 0.03 and learning_rate 0.008 beat 1.5x up and down on P100; the other values follow the
     # modded-nanogpt lineage. The head, tied to the input embedding as in every variant, trains at learning_rate;
-    # embed_lr is the value-embedding and bigram tables' (flags, not the recipe's).
+    # embed_lr is the value-embedding tables' (a flag, not the recipe's).
     "d12_fast": dict(
         optimizer="muon", muon_lr=0.03, muon_momentum_warmup=1500, learning_rate=0.008, embed_lr=0.3,
         scalar_lr=0.04, weight_decay=0.0, total_batch_size=65536, num_iterations=10000,

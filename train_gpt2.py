@@ -158,8 +158,8 @@ def add_optimizer_flags(g):
                         "weight matrices, AdamW on the rest (--learning_rate for the head, --embed_lr, --scalar_lr)")
     g.add_argument("--learning_rate", type=float, default=0.0018, help="peak AdamW learning rate")
     g.add_argument("--embed_lr", type=float, default=None,
-                   help="--optimizer muon: peak AdamW learning rate of the value-embedding and bigram tables "
-                        "(--value_embeds, --bigram_embed; default --learning_rate)")
+                   help="--optimizer muon: peak AdamW learning rate of the value-embedding tables (--value_embeds; "
+                        "default --learning_rate)")
     g.add_argument("--scalar_lr", type=float, default=None,
                    help="--optimizer muon: peak AdamW learning rate of gains and learned mixing scalars, which "
                         "get no weight decay (default --learning_rate)")
@@ -576,15 +576,6 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: s
     return y.unflatten(0, (B, -1)).transpose(1, 2).flatten(2, 3)[:, :, :T]
 
 
-def bigram_ids(idx: torch.Tensor, rows: int) -> torch.Tensor:
-    """Each position's row in a hashed bigram table of `rows` rows (GPTConfig.bigram_embed): a hash of (the
-    token before it, the token) over rows 0 .. rows - 2; the first column, which has no pair in the row, takes
-    the reserved last row."""
-    prev = F.pad(idx[:, :-1].long(), (1, 0), value=-1)
-    hashed = ((idx.long() * 1_000_003) ^ (prev * 998_244_353)) % (rows - 1)  # token ids < 2^17: no overflow
-    return torch.where(prev < 0, rows - 1, hashed)
-
-
 class Attention(nn.Module):
     """What both attention forms share: the layer's window, and the seam that attends and projects the heads
     back into the stream through the subclass's c_proj."""
@@ -896,11 +887,6 @@ class GPT(nn.Module):
         self.mtp_proj = nn.ModuleList([nn.Linear(config.n_embd, config.n_embd, bias=False)
                                        for _ in range(config.mtp_k)])
         self.rotary = Rotary(config.rotary_dim, config.block_size)
-        # Built last, so that every other parameter starts as it does without it.
-        self.bigram_embed = nn.Embedding(config.bigram_rows, config.n_embd) if config.bigram_embed else None
-        self.bigram_mix = nn.Parameter(torch.full((config.n_layer,), 0.1)) if config.bigram_embed else None
-        if self.bigram_embed is not None:
-            nn.init.zeros_(self.bigram_embed.weight)  # the pairs start silent; the stream begins as without them
         if config.zero_init_proj:
             for block in self.transformer.h:
                 nn.init.zeros_(block.attn.c_proj.weight)
@@ -999,18 +985,13 @@ class GPT(nn.Module):
         return x
 
     def run_blocks(self, x, idx, cos, sin, masking: Masking, drop_blocks: tuple[int, ...]) -> tuple[torch.Tensor, list]:
-        """The blocks over the stream x, with the shortcuts that join them (bigram table, U-net skips, value
-        residual and value embeddings); returns the stream and the MoE layers' (balance, load) terms."""
+        """The blocks over the stream x, with the shortcuts that join them (U-net skips, value residual and value
+        embeddings); returns the stream and the MoE layers' (balance, load) terms."""
         c = self.config
         x0, v0, skips, moe_terms = x, None, [], []
         value_rows = [table(idx) for table in self.value_embeds]  # (B, T, kv width) each
-        bigrams = None
-        if self.bigram_embed is not None:
-            bigrams = self.bigram_embed(bigram_ids(idx, c.bigram_rows)).to(x.dtype)  # (B, T, n_embd)
         n_skips = c.n_layer // 2 if c.unet_skips else 0
         for i, block in enumerate(self.transformer.h):
-            if bigrams is not None:
-                x = x + self.bigram_mix[i] * bigrams
             mirror = c.n_layer - 1 - i  # the encoder block whose output this decoder block receives
             if mirror < n_skips:
                 x = x + self.skip_weights[mirror] * skips[mirror]
@@ -1517,10 +1498,9 @@ def make_optimizer(model: GPT, args, device: torch.device, compiled: bool = Fals
     hidden = muon_params(model)
     kernels.kernel_runs("Newton-Schulz", device)
     taken = {id(p) for p in hidden}
-    # AdamW groups, each with its own peak: value and bigram embeddings, then vectors and scalars (mixing
+    # AdamW groups, each with its own peak: value embeddings, then vectors and scalars (mixing
     # weights), then the rest (the tied head, routers, expert stacks).
     embeddings = [table.weight for table in model.value_embeds]
-    embeddings += [model.bigram_embed.weight] if model.bigram_embed is not None else []
     taken |= {id(p) for p in embeddings}
     scalars = [p for p in model.parameters() if p.ndim < 2 and id(p) not in taken]
     taken |= {id(p) for p in scalars}

@@ -1,6 +1,5 @@
-"""The residual stream: the x0, value-residual, value-embedding, bigram-embedding and U-net shortcuts equal their
-written-out definition and reduce to the plain model, the bigram hash, the embedding norm, zero-init projections,
-and the bf16 stream."""
+"""The residual stream: the x0, value-residual, value-embedding and U-net shortcuts equal their written-out
+definition and reduce to the plain model, the embedding norm, zero-init projections, and the bf16 stream."""
 
 
 import pytest
@@ -8,19 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from model_variants import TINY, with_overrides
-from train_gpt2 import GPT, bigram_ids, causal_mask
+from train_gpt2 import GPT, causal_mask
 
 from conftest import cosine
 
 
-SHORTCUTS = dict(embed_norm=True, x0_mix=True, value_residual=True, unet_skips=True, value_embeds=2, bigram_embed=2,
+SHORTCUTS = dict(embed_norm=True, x0_mix=True, value_residual=True, unet_skips=True, value_embeds=2,
                  scale_attn_branch=False)
-
-
-def fill_bigram_table(model: GPT):
-    """The bigram table starts at zero, where it changes nothing: give it rows that matter."""
-    with torch.no_grad():
-        model.bigram_embed.weight.normal_()
 
 
 def test_zero_init_projections_make_every_block_start_as_identity():
@@ -53,10 +46,7 @@ def reference_forward(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     x = model.transformer.wte(idx)
     x = rms(x) if c.embed_norm else x
     x0, v0, outputs = x, None, []
-    pairs = model.bigram_embed.weight[bigram_ids(idx, c.bigram_rows)] if c.bigram_embed else None
     for i, block in enumerate(model.transformer.h):
-        if c.bigram_embed:
-            x = x + model.bigram_mix[i] * pairs
         if c.unet_skips and L - 1 - i < L // 2:
             x = x + model.skip_weights[L - 1 - i] * outputs[L - 1 - i]
         if c.x0_mix:
@@ -87,7 +77,6 @@ def test_shortcut_model_equals_its_written_out_definition():
         for p in model.parameters():
             if p.ndim == 1:
                 p.uniform_(0.3, 1.5)
-    fill_bigram_table(model)
     idx = torch.randint(0, 64, (2, 12))
     torch.testing.assert_close(model(idx)[0], reference_forward(model, idx)[:, [-1]])
     logits, loss, _ = model(idx, idx)
@@ -118,30 +107,6 @@ def test_each_shortcut_starts_as_or_reduces_to_the_plain_model(field, value):
         torch.testing.assert_close(shortcut(idx, idx)[0], plain(idx, idx)[0])
 
 
-def test_bigram_ids_hash_each_pair_and_reserve_a_row_for_a_rows_first_position():
-    ids = bigram_ids(torch.tensor([[5, 7, 5, 7, 9]]), 1000)[0].tolist()
-    assert ids[0] == 999 and max(ids[1:]) < 999  # no pair before the first token: the reserved row
-    assert ids[1] == ids[3] and len({ids[1], ids[2], ids[4]}) == 3  # (5, 7) twice; (7, 5) and (7, 9) elsewhere
-    full = torch.randint(0, 50257, (3, 40))
-    assert torch.equal(bigram_ids(full[:, 16:], 777)[:, 1:], bigram_ids(full, 777)[:, 17:])  # pairs, not positions
-    pairs = bigram_ids(torch.randint(0, 50257, (1, 20_001)), 2 * 50257)[0, 1:]
-    assert pairs.unique().numel() > 0.85 * 20_000  # spread like random rows (~0.91 of them distinct)
-
-
-def test_the_bigram_embedding_starts_silent_and_trains_only_its_pairs_rows():
-    models = []
-    for bigram_embed in (0, 2):
-        torch.manual_seed(0)
-        models.append(GPT(with_overrides(TINY, vocab_size=64, n_layer=2, bigram_embed=bigram_embed)).double())
-    plain, bigram = models
-    assert all(torch.equal(p, bigram.state_dict()[name]) for name, p in plain.state_dict().items())  # built last
-    idx = torch.randint(0, 64, (2, 10))
-    assert torch.equal(bigram(idx, idx)[0], plain(idx, idx)[0])  # a zero table adds nothing
-    bigram(idx, idx)[1].backward()
-    touched = bigram.bigram_embed.weight.grad.abs().sum(dim=1).nonzero().flatten()
-    assert torch.equal(touched, bigram_ids(idx, 128).unique())
-
-
 def test_embed_norm_makes_the_stream_blind_to_embedding_scale():
     torch.manual_seed(0)
     for embed_norm in (True, False):
@@ -157,7 +122,6 @@ def test_bf16_residual_keeps_the_stream_in_autocast_dtype_and_leaves_fp32_runs_a
     torch.manual_seed(0)
     config = with_overrides(TINY, vocab_size=64, n_layer=4, **SHORTCUTS)
     plain, low = GPT(config), GPT(with_overrides(config, bf16_residual=True))
-    fill_bigram_table(plain)
     low.load_state_dict(plain.state_dict())
     idx = torch.randint(0, 64, (2, 16))
     stream_dtypes = {}

@@ -196,15 +196,15 @@ def test_muon_recipe_gives_embeddings_and_scalars_their_own_adamw_groups():
     from model_variants import TINY, with_overrides
     from train_gpt2 import GPT, make_optimizer
     model = GPT(with_overrides(TINY, vocab_size=64, x0_mix=True, value_residual=True, unet_skips=True,
-                               value_embeds=1, bigram_embed=1))
+                               value_embeds=1))
     args = build_parser().parse_args(["--optimizer", "muon", "--learning_rate", "0.003", "--embed_lr", "0.3",
                                       "--scalar_lr", "0.04", "--weight_decay", "0.1"])
     groups = make_optimizer(model, args, torch.device("cpu")).optimizers[1].param_groups
     names = {id(p): n for n, p in model.named_parameters()}
     by_lr = {g["lr"]: ({names[id(p)] for p in g["params"]}, g["weight_decay"]) for g in groups}
     assert by_lr[0.003] == ({"transformer.wte.weight"}, 0.1)  # the tied head, named once
-    assert by_lr[0.3] == ({"value_embeds.0.weight", "bigram_embed.weight"}, 0.1)
-    assert by_lr[0.04] == ({"skip_weights", "bigram_mix", "transformer.h.0.x_mix", "transformer.h.1.x_mix",
+    assert by_lr[0.3] == ({"value_embeds.0.weight"}, 0.1)
+    assert by_lr[0.04] == ({"skip_weights", "transformer.h.0.x_mix", "transformer.h.1.x_mix",
                             "transformer.h.1.attn.v_mix", "transformer.h.0.attn.ve_mix", "transformer.h.1.attn.ve_mix"},
                            0.0)
     # Defaults: every AdamW group at --learning_rate; the tied embedding is the head and stays in its group.
