@@ -135,13 +135,11 @@ def add_batch_flags(p: argparse.ArgumentParser):
                         "memory")
     g.add_argument("--sequence_length", type=int, default=1024, help="tokens per sequence")
     g.add_argument("--curriculum_iters", type=int, default=0,
-                   help="sequence-length curriculum: train on rows of a quarter of --sequence_length first, "
-                        "doubling at the halfway step and reaching --sequence_length at this step; every "
-                        "micro-batch keeps its tokens and their order (more, shorter rows). 0: off")
+                   help="sequence-length curriculum: rows of a quarter of --sequence_length, doubling at the "
+                        "halfway step, full from this step on; a micro-batch keeps its tokens and their order. 0: off")
     g.add_argument("--window_iters", type=int, default=0,
-                   help="attention-window warmup: the local layers attend within a quarter of the model's --window "
-                        "first, doubling at the halfway step and reaching --window at this step; evaluation always "
-                        "uses the full window. 0: off")
+                   help="window warmup: the local layers attend within a quarter of --window, doubling at the "
+                        "halfway step, the full window from this step on (and always in evaluation). 0: off")
     g.add_argument("--grad_accumulation_steps", type=int, default=None,
                    help="micro-batches per optimizer step summed over all GPUs (NoCap semantics: divided by "
                         "the number of processes); default 32, or derived from --total_batch_size")
@@ -153,9 +151,9 @@ def add_optimizer_flags(g):
     """The optimizer and its learning rates (the "optimization" group's first part)."""
     g.add_argument("--num_iterations", type=int, default=4768, help="optimizer steps at most")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
-                   help="adamw: NoCap's, on every parameter; adamw8bit: the same with 8-bit moments (torchao); "
-                        "lion: Lion (betas 0.9, 0.99) on every parameter; muon: torch.optim.Muon on the blocks' "
-                        "weight matrices, AdamW on the rest (--learning_rate for the head, --embed_lr, --scalar_lr)")
+                   help="adamw: NoCap's; adamw8bit: with 8-bit moments (torchao); lion: Lion (betas 0.9, 0.99); "
+                        "muon: Muon on the blocks' matrices, AdamW on the rest (--learning_rate for the head, "
+                        "--embed_lr, --scalar_lr)")
     g.add_argument("--learning_rate", type=float, default=0.0018, help="peak AdamW learning rate")
     g.add_argument("--embed_lr", type=float, default=None,
                    help="--optimizer muon: peak AdamW learning rate of the value-embedding tables (--value_embeds; "
@@ -167,14 +165,12 @@ def add_optimizer_flags(g):
     g.add_argument("--muon_momentum_warmup", type=int, default=0,
                    help=f"raise Muon's momentum linearly from 0.85 to {MUON_MOMENTUM} over this many steps")
     g.add_argument("--normuon_beta2", type=float, default=0.0,
-                   help="NorMuon (Li et al. 2025): divide each row of Muon's orthogonalized update (each column "
-                        "of a wide matrix) by the root of a running mean, with this decay, of its mean square, "
-                        "keeping the update's norm; e.g. 0.95. 0: off")
+                   help="NorMuon (Li et al. 2025): divide each row of Muon's update by the root of a running mean "
+                        "of its mean square, with this decay, keeping the update's norm; e.g. 0.95. 0: off")
     g.add_argument("--cautious_weight_decay", type=float, default=0.0,
-                   help="cautious weight decay (Chen et al. 2025) on Muon's matrices, in place of --weight_decay "
-                        "for them: each step also takes lr x this x the step's size off each weight whose update "
-                        "would shrink it anyway (update and weight of one sign), and leaves the others alone "
-                        "(modded-nanogpt's form, 1.2 there; it fades as the lr squared; --optimizer muon). 0: off")
+                   help="cautious weight decay (Chen et al. 2025) of Muon's matrices, in place of --weight_decay: "
+                        "lr x this x the step's size off each weight whose update shrinks it anyway (update and "
+                        "weight of one sign), the others left alone (modded-nanogpt: 1.2). 0: off")
 
 
 def add_schedule_flags(g):
@@ -189,22 +185,17 @@ def add_schedule_flags(g):
     g.add_argument("--warmup_iters", type=int, default=256, help="linear warmup steps")
     g.add_argument("--warmdown_iters", type=int, default=1024, help="linear decay-to-zero steps at the end")
     g.add_argument("--layerdrop", type=float, default=0.0,
-                   help="LayerDrop: skip each block but the first with this probability at step 0, falling "
-                        "linearly to 0 at step --layerdrop_iters (full depth after; never at evaluation)")
+                   help="LayerDrop: skip each block but the first with this probability, falling linearly to 0 "
+                        "at step --layerdrop_iters (never in evaluation)")
     g.add_argument("--layerdrop_iters", type=int, default=0, help="steps over which --layerdrop falls to 0")
     g.add_argument("--sampled_softmax", type=int, default=0,
-                   help="a training-only sampled softmax of K columns: the head scores each micro-batch against "
-                        "every token that is one of its targets plus others up to K, drawn in proportion to each "
-                        "token's count (plus one) in the training data's first "
-                        f"{FREQUENCY_COUNT_TOKENS // 1_000_000}M tokens, each drawn column standing in, by a "
-                        "log-weight on its logit, for its share of those left out (priority sampling), so the "
-                        "head's products shrink to K / vocab of theirs. The logged training loss is then that "
-                        "softmax's estimate; evaluation always scores the full softmax. 0: off")
+                   help="in training, the head scores K columns: the micro-batch's targets, and others drawn by "
+                        f"their counts in the training data's first {FREQUENCY_COUNT_TOKENS // 1_000_000}M tokens, "
+                        "each weighted for its share of those left out; the logged training loss is that "
+                        "softmax's estimate, evaluation scores the full one. 0: off")
     g.add_argument("--sampled_softmax_tokens", type=int, default=0,
-                   help="positions per sample of the sampled softmax: each run of this many positions of a "
-                        "micro-batch is scored against its own columns (its own targets plus others drawn), so "
-                        "a step trains the same whether its micro-batches hold one such run or several. 0: one "
-                        "sample per micro-batch")
+                   help="positions per sample of the sampled softmax, each run of them scored against its own "
+                        "columns: a step trains the same in one micro-batch or several. 0: one per micro-batch")
     g.add_argument("--weight_decay", type=float, default=0.1,
                    help="decoupled weight decay of every parameter (--optimizer muon: but the gains and mixing "
                         "scalars, and of Muon's matrices only without --cautious_weight_decay)")
@@ -217,15 +208,13 @@ def add_evaluation_flags(p: argparse.ArgumentParser):
     g.add_argument("--val_batch_size", type=int, default=16, help="validation rows per batch per GPU")
     g.add_argument("--val_sequence_length", type=_parse_val_rows, default=None,
                    help="tokens per validation row (default: NoCap's 1024, or --sequence_length if shorter), or "
-                        "'train': the training rows. Longer rows (a multiple of 1024) score the same tokens with "
-                        "more context and decide the target; NoCap's 1024-token rows are scored beside them and "
-                        "reported as val_loss_1024")
+                        "'train': the training rows. Longer rows (a multiple of 1024) decide the target; NoCap's "
+                        "rows of the same tokens are scored beside them (val_loss_1024)")
     g.add_argument("--target_val_loss", type=float, default=NOCAP_TARGET_VAL_LOSS,
                    help="stop at the first evaluation at or below this (0 disables)")
     g.add_argument("--overtime_steps", type=int, default=0,
-                   help="if the schedule ends above --target_val_loss, train on at its final learning rate (--lr_floor "
-                        "x the peak) for up to this many more steps, evaluating every --val_loss_every, until the "
-                        "target is reached (0: stop where the schedule ends)")
+                   help="if the schedule ends above --target_val_loss, train on at its final learning rate for up "
+                        "to this many more steps, evaluating every --val_loss_every (0: stop where it ends)")
     g.add_argument("--val_dtype", choices=("fp32", "bf16"), default="fp32",
                    help="fp32: NoCap's protocol; bf16: autocast as in training, for sweeps (compare runs only "
                         "at the same setting)")
@@ -248,8 +237,8 @@ def add_run_flags(p: argparse.ArgumentParser):
                         "one, which helps where the host falls behind a fast GPU (the casts of every weight at the "
                         "start of a micro-batch); none: the fastest compile")
     g.add_argument("--save_every", type=_parse_save_every, default="30m",
-                   help="also checkpoint every N steps (500), or once N minutes have passed since the last save "
-                        "(30m: a crash costs at most half an hour); 0: only the final checkpoint, always written")
+                   help="also checkpoint every N steps (500) or N minutes (30m: a crash costs at most half an "
+                        "hour); 0: only the final checkpoint, always written")
     g.add_argument("--resume", default=None,
                    help="checkpoint path, or 'auto' for the newest checkpoint in the run directory")
     g.add_argument("--log_wandb", action="store_true", help="also log to Weights & Biases (pip install wandb)")
@@ -489,10 +478,9 @@ _flex_masks: dict = {}
 @torch.compiler.disable
 def flex_block_masks(T: int, windows, device: torch.device, chunked: bool = False,
                      docs: torch.Tensor | None = None) -> dict:
-    """FlexAttention's block-sparse masks for causal attention, one per window in windows (0: no window;
-    see may_attend for chunked), built eagerly and cached per shape; with docs (B, T), also within each
-    document, built for this batch. Kept out of the compiled graph; called once at the top of the forward,
-    where the split it makes is resumable (a call per window inside a loop would not be)."""
+    """FlexAttention's block masks for causal attention, one per window in windows (0: none), cached per shape;
+    with docs (B, T), also within each document, built for this batch. Kept out of the compiled graph and
+    called once at the top of the forward, where the graph break is resumable (inside the block loop it is not)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def causal_within(window: int):
@@ -516,11 +504,9 @@ def flex_block_masks(T: int, windows, device: torch.device, chunked: bool = Fals
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, window: int = 0,
                      block_mask=None, chunked: bool = False, docs: torch.Tensor | None = None,
                      chunked_kernel: bool = False) -> torch.Tensor:
-    """The attention seam. q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim) with n_kv_head
-    dividing n_head (grouped-query attention); returns (B, n_head, T, head_dim). window and chunked: see
-    may_attend; docs (B, T): document numbers, attention only within a document (flex and manual; the
-    block_mask given must include them); chunked_kernel: chunked windows in kernels.block_attention where it
-    takes q, k and v (GPTConfig.fused_kernels)."""
+    """The attention seam. q (B, n_head, T, head_dim); k, v (B, n_kv_head, T, head_dim), n_kv_head dividing
+    n_head (GQA) -> (B, n_head, T, head_dim). window, chunked: may_attend; docs (B, T): document numbers (flex and
+    manual; a block_mask given includes them); chunked_kernel: kernels.block_attention where it takes q, k, v."""
     grouped = k.size(1) != q.size(1)
     if impl == "manual":  # the definition, kept as the reference every fused path is tested against
         if grouped:
@@ -562,10 +548,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
 
 
 def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, chunk: int) -> torch.Tensor:
-    """Causal attention within aligned blocks of `chunk` positions, as plain causal attention over the blocks
-    taken as a batch: (B, H, T, D) -> (B * T/chunk, H, chunk, D), views only where T is a multiple of chunk.
-    Otherwise the sequence is padded at the end to whole blocks; padded keys come after every real query, so
-    the causal mask hides them, and the padded queries are cut off."""
+    """Causal attention within aligned blocks of `chunk` positions, as causal attention over the blocks taken as
+    a batch (B * T/chunk, H, chunk, D). A last block cut short is padded: its padded keys come after every real
+    query, so the causal mask hides them, and its padded queries are cut off."""
     B, H, T, D = q.shape
     pad = -T % chunk
 
@@ -780,10 +765,9 @@ class PermuteRows(torch.autograd.Function):
 
 
 def evaluation_compiles(config: GPTConfig, dtype: str) -> bool:
-    """Whether the evaluation pass in this precision traces as one graph. An MoE's does not in fp32: the
-    grouped matmul takes bf16 only, and the per-expert loop breaks the graph inside GPT.forward's loop over
-    the blocks, where dynamo gives up on the whole frame — for training's calls too, which from then on run
-    block by block (d12_moe then trains at three quarters of its speed). Such an evaluation runs eager."""
+    """Whether the evaluation pass in this precision traces as one graph. An MoE's in fp32 does not (the grouped
+    matmul takes bf16 only), and its graph break inside the block loop makes dynamo give up on the whole frame,
+    for training's calls too (d12_moe then trains at three quarters of its speed): it evaluates eager."""
     return not config.moe_experts or dtype == "bf16"
 
 
@@ -818,11 +802,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class SoftmaxSample(NamedTuple):
-    """A training softmax over `columns` columns of the vocabulary instead of all of them (a sampled softmax):
-    every token that is a target of the micro-batch, and as many others as are left, drawn in proportion to
-    exp(log_weights) (vocab,). `draws` (vocab,), uniform on [0, 1), decide which others; (groups, vocab) splits
-    the micro-batch's positions into that many equal runs, each scored against its own columns as if it were a
-    micro-batch of its own."""
+    """A training softmax over `columns` columns of the vocabulary: every target of the micro-batch, and others
+    drawn in proportion to exp(log_weights) (vocab,) by `draws` (vocab,), uniform on [0, 1); draws of shape
+    (groups, vocab) split the positions into that many equal runs, each scored against its own columns."""
     columns: int
     draws: torch.Tensor
     log_weights: torch.Tensor
@@ -832,18 +814,14 @@ def sampled_softmax_columns(targets: torch.Tensor, sample: SoftmaxSample, vocab:
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The columns a sampled softmax scores (K,), the bias each one's logit gets (K,), and the targets (any
     shape, -1 ignored) as positions among the columns.
-    The normalizer sums every target's column exactly, and stands in for the V - U tokens that are no target
-    by the K - U drawn ones, each weighted by the inverse of its chance of being drawn, i.e. a bias of the log
-    of that: its expectation is the full softmax's normalizer, so the loss estimates the full one (from
-    slightly below: the log of an average is at most the average of the logs).
-    The draws are priority sampling (Duffield, Lund and Thorup): token j's priority is w_j / u_j with u_j
-    uniform on (0, 1], the K - U highest are drawn,
-    and with tau the next priority, j was drawn with chance min(1, w_j / tau) given the others' priorities, so
-    it is weighted max(1, tau / w_j). Where w follows how much probability the model gives each token, the
-    tokens it makes likely are drawn for sure and weighted 1, and the estimate is far less noisy.
-    A micro-batch with more than K distinct targets keeps K of them, drawn uniformly, and ignores the positions
-    whose target it left out. The columns are the top K of a key that ranks every target above every other
-    token, so every shape is fixed and the step compiles to one graph."""
+    The normalizer sums the U targets' columns exactly and stands in for the other V - U tokens by K - U drawn
+    ones, each biased by the log of the inverse of its chance of being drawn: in expectation the full
+    normalizer, so the loss estimates the full one (from slightly below). The draws are priority sampling
+    (Duffield, Lund and Thorup): token j's priority is w_j / u_j, u_j uniform on (0, 1], the K - U highest are
+    drawn, and with tau the next priority j was drawn with chance min(1, w_j / tau), so it is weighted
+    max(1, tau / w_j): likely tokens are drawn for sure, weighted 1, and the estimate is far less noisy. More
+    than K distinct targets: K of them are kept, drawn uniformly, and the other positions ignored. The columns
+    are the top K of a key that ranks every target above every other token: fixed shapes, one compiled graph."""
     K = sample.columns
     flat = targets.reshape(-1)
     slot = torch.where(flat >= 0, flat, vocab)  # the ignored targets mark a spare slot
@@ -1315,21 +1293,12 @@ def closure_loss(closure) -> torch.Tensor | None:
 
 class BatchedMuon(torch.optim.Muon):
     """torch.optim.Muon's update (momentum, Nesterov, Newton-Schulz, decoupled weight decay, the
-    sqrt(max(1, rows/cols)) learning-rate scale), computed for all matrices of one shape at once.
-    torch.optim.Muon orthogonalizes one matrix at a time, ~15 small matmuls each: for d12_fast's 48
-    matrices that is ~1,000 kernel launches and 27.6 ms per optimizer step on an H100, with the GPU mostly
-    waiting on the host. Stacked by shape, Newton-Schulz is 15 batched matmuls per shape.
-
-    Two refinements of the update, both off by default: `normuon_beta2` > 0 evens out the update's rows (NorMuon,
-    `normuon_scale`), keeping one running mean square per row in the state as "second_moment", and `cautious`
-    makes the weight decay cautious (`muon_update`).
-
-    Compiled, each shape's update is one graph (`muon_update`): eager, the momentum, the Nesterov mix, the stack,
-    the casts and the step each pass over the weights; compiled, they fuse into a few kernels around
-    Newton-Schulz's matmuls. A step in which some matrix
-    of a shape has no gradient (LayerDrop) updates that shape eagerly: each such subset would be a graph of its
-    own. The state (a momentum_buffer per parameter, with NorMuon a second_moment) and the checkpoints are
-    torch.optim.Muon's."""
+    sqrt(max(1, rows/cols)) learning-rate scale) for all matrices of one shape at once: torch's orthogonalizes one
+    matrix at a time, ~1,000 kernel launches and 27.6 ms a step for d12_fast's 48 matrices on an H100, the GPU
+    mostly waiting on the host. Optional refinements: NorMuon's row scaling (`normuon_beta2` > 0, a running mean
+    square per row kept as "second_moment") and cautious weight decay (`muon_update`). Compiled, each shape's
+    update is one graph; a shape with a matrix that got no gradient this step (LayerDrop) updates eagerly, since
+    each such subset would be a graph of its own. State and checkpoints are torch.optim.Muon's."""
 
     def __init__(self, params, *args, compiled: bool = False, normuon_beta2: float = 0.0, cautious: bool = False,
                  **kwargs):
@@ -1376,14 +1345,12 @@ def muon_update(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: 
                 hyper: torch.Tensor, nesterov: bool, coefficients: tuple[float, float, float], steps: int,
                 eps: float, second_moments: list[torch.Tensor] | None, beta2: float, cautious: bool = False):
     """One Muon step of same-shaped matrices, in place: each momentum buffer moves toward its gradient, the
-    update (Nesterov's mix of gradient and buffer, or the buffer) is orthogonalized, with NorMuon's row scaling
-    when second_moments are given, and each matrix becomes keep * p - step_size * update. hyper holds
-    (momentum, keep = 1 - lr * weight decay, step_size, cautious_decay).
-
-    Cautious (Chen et al. 2025, "Cautious Weight Decay"): keep is 1 and a weight also loses cautious_decay
-    (lr * weight decay * step_size) of itself only where the update and the weight have one sign, where the
-    step shrinks it anyway; decay elsewhere would pull against the step. The paper's argument: such decay
-    does not change the loss's stationary points, where plain decay trades loss for smaller weights."""
+    update (Nesterov's mix of gradient and buffer, or the buffer) is orthogonalized (and row-scaled by NorMuon
+    given second_moments), and each matrix becomes keep * p - step_size * update; hyper holds (momentum,
+    keep = 1 - lr * weight decay, step_size, cautious_decay).
+    Cautious (Chen et al. 2025): keep is 1, and a weight loses cautious_decay of itself only where the update
+    and the weight have one sign, where the step shrinks it anyway: such decay leaves the loss's stationary
+    points alone, where plain decay trades loss for smaller weights."""
     momentum, keep, step_size, cautious_decay = hyper.unbind()
     updates = []
     for g, m in zip(grads, buffers):
@@ -1401,11 +1368,9 @@ def muon_update(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: 
 
 
 def normuon_scale(ortho: torch.Tensor, second_moments: list[torch.Tensor], beta2: float) -> torch.Tensor:
-    """NorMuon (Li et al. 2025): an orthogonalized update gives every direction the same size, but its rows
-    (the output units of a tall or square matrix; the columns of a wide one, the longer side) can still differ
-    in size. Each row's mean square updates a running mean (decay beta2, in second_moments, in place) and the
-    row is divided by that mean's root; each matrix is then rescaled to its Frobenius norm before, so the
-    learning rate keeps its meaning."""
+    """NorMuon (Li et al. 2025): an orthogonalized update's rows (the longer side's units) can still differ in
+    size. Each row is divided by the root of a running mean (decay beta2, second_moments, in place) of its mean
+    square, then each matrix rescaled to its Frobenius norm before, so the learning rate keeps its meaning."""
     wide = ortho.size(-2) < ortho.size(-1)
     mean_square = ortho.float().square().mean(dim=-2 if wide else -1, keepdim=True)
     for v, current in zip(second_moments, mean_square.unbind(0)):
@@ -1419,10 +1384,8 @@ def normuon_scale(ortho: torch.Tensor, second_moments: list[torch.Tensor], beta2
 
 
 class Lion(torch.optim.Optimizer):
-    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): each coordinate moves by exactly
-    lr in the direction of sign(beta1 * m + (1 - beta1) * g); then m <- beta2 * m + (1 - beta2) * g. Weight decay
-    is decoupled (p <- p * (1 - lr * wd)). One momentum buffer per parameter, half of AdamW's state. Written here
-    rather than taken from a package: the update is these five lines."""
+    """Lion (Chen et al. 2023): each coordinate moves by lr in the direction of sign(beta1 m + (1 - beta1) g),
+    then m <- beta2 m + (1 - beta2) g; decoupled weight decay. Half of AdamW's state."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
@@ -1450,11 +1413,9 @@ class Lion(torch.optim.Optimizer):
 
 def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
                   eps: float) -> torch.Tensor:
-    """Approximately orthogonalize each matrix of a stack (n, rows, cols) in bf16: scale it to spectral norm
-    <= 1, then iterate the quintic X <- aX + (bA + cA^2)X, A = XX^T, with coefficients (a, b, c), `steps` times,
-    on the wide orientation (A is the smaller Gram matrix): torch.optim.Muon's iteration, batched. The two
-    symmetric products run in kernels.symmetric_product, which computes half of each on H100-class GPUs, and
-    aX + BX in kernels.product_plus."""
+    """torch.optim.Muon's Newton-Schulz iteration, batched: each matrix of a stack (n, rows, cols), in bf16 and
+    wide orientation (A the smaller Gram matrix), scaled to spectral norm <= 1, then X <- aX + (bA + cA^2)X with
+    A = XX^T, `steps` times. The symmetric products compute half of each on H100-class GPUs (kernels.py)."""
     x = updates.bfloat16()
     tall = x.size(-2) > x.size(-1)
     if tall:

@@ -96,46 +96,52 @@ class Kernels(NamedTuple):
     step_ms: float
 
 
+def training_parts(args, device: torch.device):
+    """What a training step of args.model runs, built as the trainer builds it: the model, its forward (compiled
+    with --compile), the optimizer and compile settings of its recipe (NoCap's, or d12_fast's Muon + AdamW and
+    combo kernels), a batch source, and the draw of each micro-batch's sampled softmax (None: the full one)."""
+    config = resolve_model_config(args)
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    recipe = parse_args(["--model", args.model])
+    if args.compile:
+        configure_compile(recipe.compile_tuning)
+    optimizer = make_optimizer(model, recipe, device, args.compile)
+    # The recipe's sampled softmax unless --sampled_softmax says otherwise, checked as the trainer checks it.
+    if args.sampled_softmax is not None:
+        recipe.sampled_softmax = args.sampled_softmax
+    check_sampled_softmax(recipe, config)
+    B, T = args.batch_size, args.sequence_length
+    loader = TokenLoader(args.input_bin, B, T, 0, 1, config.vocab_size, device) if args.input_bin else None
+
+    def random_batch():  # the same shapes and costs for every part but data loading
+        window = torch.randint(0, config.vocab_size, (B, T + 1), device=device)
+        return window[:, :-1], window[:, 1:]
+    forward = torch.compile(model) if args.compile else model
+    return (model, forward, optimizer, loader.next_batch if loader else random_batch,
+            sample_draw(recipe, config.vocab_size, B * T, loader, device))
+
+
+def sample_draw(recipe, vocab: int, micro_tokens: int, loader: TokenLoader | None, device: torch.device):
+    """A function that draws a micro-batch's sampled softmax as the trainer does (a sample per the recipe's group
+    of tokens where the micro-batch holds whole groups), or None for the full softmax. The draws weigh each token
+    by its count in the loader's first tokens, or every token alike on random tokens: the same work either way."""
+    columns, group = recipe.sampled_softmax, recipe.sampled_softmax_tokens
+    if not columns:
+        return lambda: None
+    groups = (micro_tokens // group,) if group and micro_tokens % group == 0 and micro_tokens > group else ()
+    log_weights = draw_log_weights(recipe, loader) if loader else torch.zeros(vocab, device=device)
+    return lambda: SoftmaxSample(columns, torch.rand(groups + (vocab,), device=device), log_weights)
+
+
 def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
     """Over args.steps steps after warm-up: per-part milliseconds per step (None when compiled), the
     measured step time, and the kernel table's data (None with --kernels 0 and no --trace)."""
     device = pick_device(args.device)
     use_cuda = device.type == "cuda"
-    config = resolve_model_config(args)
-    torch.manual_seed(0)
-    model = GPT(config).to(device)
-    # The optimizer and compile settings the model trains with: NoCap's, or its recipe's (d12_fast: Muon +
-    # AdamW, combo kernels, no coordinate-descent tuning).
-    recipe = parse_args(["--model", args.model])
-    if args.compile:
-        configure_compile(recipe.compile_tuning)
-    optimizer = make_optimizer(model, recipe, device, args.compile)
-    # The head the model trains with: its recipe's sampled softmax unless --sampled_softmax says otherwise, checked
-    # as the trainer checks it (columns that span the vocabulary leave the full softmax).
-    if args.sampled_softmax is not None:
-        recipe.sampled_softmax = args.sampled_softmax
-    check_sampled_softmax(recipe, config)
-    columns = recipe.sampled_softmax
-    B, T = args.batch_size, args.sequence_length
-    # A sample per the recipe's group of tokens, as the trainer draws, where the micro-batch holds whole groups.
-    group = recipe.sampled_softmax_tokens
-    sample_shape = ((B * T // group,) if group and B * T % group == 0 and B * T > group else ()) + (config.vocab_size,)
-    if args.input_bin:
-        loader = TokenLoader(args.input_bin, B, T, 0, 1, config.vocab_size, device)
-        next_batch = loader.next_batch
-    else:  # random tokens: same shapes and costs for every part but data loading
-        def next_batch():
-            window = torch.randint(0, config.vocab_size, (B, T + 1), device=device)
-            return window[:, :-1], window[:, 1:]
-    # The draws weigh each token by its count in --input_bin's first tokens, or every token alike on random
-    # tokens, which are all equally frequent: the same work either way.
-    log_weights = None
-    if columns:
-        log_weights = (draw_log_weights(recipe, loader) if args.input_bin
-                       else torch.zeros(config.vocab_size, device=device))
+    model, forward, optimizer, next_batch, draw_sample = training_parts(args, device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_cuda)
     timer = None  # the part timer's hooks go in after the profiler pass, which they would only slow
-    forward = torch.compile(model) if args.compile else model
     warnings.filterwarnings("ignore", message="Full backward hook is firing")  # expected for GPT and wte
 
     def charge(part: str, start: float):
@@ -150,10 +156,8 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
             t0 = time.perf_counter()
             x, y = next_batch()
             charge("data loading", t0)
-            sample = (SoftmaxSample(columns, torch.rand(sample_shape, device=device), log_weights)
-                      if columns else None)
             with autocast:
-                _, loss, _ = forward(x, y, return_logits=False, sampled_softmax=sample)
+                _, loss, _ = forward(x, y, return_logits=False, sampled_softmax=draw_sample())
             (loss / args.grad_accumulation_steps).backward()
         if timer is not None:
             synchronize(device)
@@ -174,21 +178,24 @@ def profile(args) -> tuple[dict[str, float] | None, float, Kernels | None]:
 
     for _ in range(args.warmup):
         step()
-    kernels = None
-    if args.kernels or args.trace:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
-        with torch_profile(activities=activities) as prof:
-            profiled_step_ms = timed_steps()
-        if args.trace:
-            prof.export_chrome_trace(args.trace)
-        rows = top_kernels(prof, args.steps, use_cuda)
-        kernels = Kernels(rows[:args.kernels], sum(ms for _, _, ms in rows), profiled_step_ms)
+    kernels = profiled_kernels(args, timed_steps, use_cuda) if args.kernels or args.trace else None
     if not args.compile:
         timer = PartTimer(model, device)
     step_ms = timed_steps()
     part_ms = None if timer is None else {part: 1000 * timer.seconds[part] / args.steps for part in PARTS}
     return part_ms, step_ms, kernels
+
+
+def profiled_kernels(args, timed_steps, use_cuda: bool) -> Kernels:
+    """The kernel table's data from timed_steps() run under torch.profiler (and its trace, with --trace)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
+    with torch_profile(activities=activities) as prof:
+        profiled_step_ms = timed_steps()
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    rows = top_kernels(prof, args.steps, use_cuda)
+    return Kernels(rows[:args.kernels], sum(ms for _, _, ms in rows), profiled_step_ms)
 
 
 def top_kernels(prof, steps: int, use_cuda: bool) -> list[tuple[str, float, float]]:
