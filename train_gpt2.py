@@ -7,9 +7,10 @@
 train_gpt2.py; everything else (variants, logs, resume, DDP on CPU) is built around that one loop.
 The file reads top to bottom in sections:
 
-    config & CLI  ->  model  ->  fast paths (each pinned by a test to the plain form it replaces)
-    ->  data  ->  evaluation  ->  optimizers & schedule  ->  measurement (FLOPs, MFU, tokens/s)
-    ->  run directory & checkpoints  ->  training (setup_run, train_step, the loop in train())  ->  main()
+    config & CLI  ->  model  ->  data (the shard format: data/shards.py)  ->  evaluation  ->  optimizers &
+    schedule  ->  measurement (FLOPs, MFU, tokens/s)  ->  run directory & checkpoints  ->  training (setup_run,
+    train_step, the loop in train())  ->  main(). The fast paths (Triton kernels, each pinned by a test to the
+    torch form it replaces) are in kernels.py.
 """
 
 import argparse
@@ -1076,12 +1077,10 @@ def tokens_to_device(tokens: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class TokenLoader:
-    """NoCap's DistributedDataLoader: every process walks the shards in sorted order; rank r reads
-    contiguous windows of B*T+1 tokens at offsets r*B*T, (world+r)*B*T, ...; a shard is left as soon
-    as the next round of windows would not fit, and the walk wraps around at the end.
-
-    Its whole state is how many batches it has handed out, so a resumed run replays the walk from
-    shard headers alone (`skip`) instead of storing per-rank positions."""
+    """NoCap's DistributedDataLoader: every process walks the shards in sorted order; rank r reads windows of
+    B*T+1 tokens at offsets r*B*T, (world+r)*B*T, ...; a shard is left as soon as the next round would not
+    fit, and the walk wraps around at the end. Its state is the batches handed out, so a resumed run replays
+    the walk from the shard headers (`skip`)."""
 
     def __init__(self, pattern: str, B: int, T: int, rank: int, world_size: int, vocab_size: int,
                  device: torch.device, flag: str = "--input_bin"):
@@ -1499,11 +1498,10 @@ def schedule_at(step: int, args, config: GPTConfig) -> StepSettings:
 
 
 def lr_scale(step: int, args) -> float:
-    """The learning rate of step `step` as a multiplier of each group's peak. trapezoid (NoCap's): linear
-    warmup, constant, then a linear warmdown over the last warmdown_iters steps to lr_floor (NoCap: 0) at
-    num_iterations, where it stays (the overtime steps of a schedule that ended above the target). one_cycle:
-    torch's OneCycleLR with cosine annealing (no momentum cycling): from 1/25 up to 1 at step warmup_iters - 1,
-    down to lr_floor at step num_iterations - 1, where it stays."""
+    """Step `step`'s learning rate as a multiple of each group's peak. trapezoid (NoCap's): linear warmup,
+    constant, a linear warmdown over the last warmdown_iters steps to lr_floor (NoCap: 0), where it stays (in
+    overtime). one_cycle: torch's OneCycleLR, cosine from 1/25 to 1 at step warmup_iters - 1, then down to lr_floor
+    at step num_iterations - 1, where it stays."""
     if args.lr_schedule == "one_cycle":
         peak_step, last_step = args.warmup_iters - 1, args.num_iterations - 1
         if step <= peak_step:
@@ -1538,11 +1536,10 @@ def micro_batch_seed(seed: int, step: int, micro_step: int, rank: int = 0) -> in
 
 def softmax_sample(step: int, micro_step: int, args, vocab: int, env, log_weights: torch.Tensor,
                    micro_tokens: int = 0) -> SoftmaxSample | None:
-    """The sampled softmax of a micro-batch of micro_tokens tokens at `step`, or None for the full softmax;
-    log_weights: the draws' (draw_log_weights). With --sampled_softmax_tokens, one
-    group's draws per that many tokens, numbered on from the step's earlier micro-batches: the step draws the
-    same however its micro-batches are sized. The draws depend only on (seed, step, group, rank), so a resumed
-    run draws what the uninterrupted one drew."""
+    """The sampled softmax of a micro-batch of micro_tokens tokens at `step` (None: the full softmax). With
+    --sampled_softmax_tokens, a group's draws per that many tokens, numbered on from the step's earlier
+    micro-batches, so the step draws the same however its micro-batches are sized; the draws depend only on
+    (seed, step, group, rank), so a resumed run draws what the uninterrupted one drew."""
     columns = args.sampled_softmax
     if not columns:
         return None
@@ -1599,13 +1596,10 @@ def peak_flops(device: torch.device) -> float | None:
 
 def flops_per_token(model: GPT, seq_len: int, sample: torch.Tensor | None = None, local_window: int = 0,
                     head_columns: int = 0) -> float:
-    """Training FLOPs per token, PaLM convention: 6 per matmul parameter (forward + backward) plus
-    attention's QK^T and AV, 12 * T * n_embd per layer, where a local layer's T is its window (at most the
-    sequence): a chunked or sliding window does that much less attention work, and MFU should not count it.
-    local_window other than 0 replaces the local layers' window (the window warmup's). Under doc_mask, T is
-    the mean range within documents over `sample`, rows of training tokens (seq_len long); without a sample,
-    the row's. head_columns other than 0: the next-token head scores that many columns, not the whole
-    vocabulary (the sampled softmax's)."""
+    """Training FLOPs per token, PaLM convention: 6 per matmul parameter plus attention's 12 * T * n_embd per
+    layer, T the range a token attends over: a local layer's window (local_window, the warmup's, if not 0), and
+    under doc_mask the mean range within documents over `sample` (rows of seq_len training tokens). head_columns
+    other than 0: the head scores that many columns (the sampled softmax's), not the vocabulary."""
     c = model.config
     windows = [Masking(local_window).window(c.layer_window(layer)) for layer in range(c.n_layer)]
     if c.doc_mask and sample is not None:
@@ -1800,11 +1794,10 @@ def run_dir_path(args) -> str:
 
 
 class RunDirClaim:
-    """This process's hold on its run directory, so that two runs never write into one: an exclusive flock
-    on run.lock, whose text names the holder (pid and host) for the error a second run gets. The kernel
-    drops an flock when its process ends, however it ends, so the lock of a killed run is stale by
-    construction and the next run takes it over. Created with the directory; release() removes both the
-    lock and a directory it created that is still empty (bad input found after the claim)."""
+    """This process's hold on its run directory, so that two runs never write into one: an exclusive flock on
+    run.lock, whose text names the holder for the error a second run gets. The kernel drops an flock when its
+    process ends, however it ends, so a killed run's lock is taken over. release() removes the lock, and the
+    directory if it created it and it is still empty (bad input found after the claim)."""
 
     def __init__(self, run_dir: str, output_dir: str):
         self.run_dir, self.path, self.fd = run_dir, os.path.join(run_dir, LOCK_NAME), None
