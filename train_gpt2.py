@@ -2284,17 +2284,10 @@ def open_data(args, config: GPTConfig, env: Distributed) -> tuple[TokenLoader, V
     return train_loader, val, nocap_val
 
 
-class Resumed(NamedTuple):
-    """Where a run picks up: the step, the training time so far, the evaluation logged at that step (where
-    the checkpoint followed one), and the records of metrics.jsonl it keeps (None: a fresh run)."""
-    step: int = 0
-    train_time_s: float = 0.0
-    evaluation: Evaluation | None = None
-    records: list[dict] | None = None
-
-
-def resume_from(path: str, run: Run) -> Resumed:
-    """Load the checkpoint at `path` into the run's model, optimizer, RNG and data position."""
+def resume_from(path: str, run: Run) -> list[dict]:
+    """Load the checkpoint at `path` into the run: model, optimizer, RNG, data position, step, training time and
+    the evaluation logged at that step (where the checkpoint followed one). Returns the records of metrics.jsonl
+    that the run keeps (those up to its step)."""
     ckpt = load_checkpoint(path, run.layout)
     run.raw_model.load_state_dict(ckpt["model"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
@@ -2302,18 +2295,18 @@ def resume_from(path: str, run: Run) -> Resumed:
     if run.env.device.type == "cuda" and ckpt["rng_cuda"] is not None:
         torch.cuda.set_rng_state(ckpt["rng_cuda"], run.env.device)
     run.train_loader.skip(ckpt["batches_drawn"])
-    step, records = ckpt["step"], []
+    step = run.start_step = ckpt["step"]
+    run.train_time_s, records = ckpt["train_time_s"], []
     metrics = os.path.join(run.run_dir, "metrics.jsonl")
     if os.path.exists(metrics):
         records, torn = read_metrics(metrics)
         if torn:
             notice(f"{metrics}: its last line was torn (a kill or a full disk mid-write); left out")
         records = [record for record in records if record.get("step", 0) <= step]  # the rest trains again
-    evaluation = None
-    if ckpt["evaluated"]:  # a stop rule judges that evaluation on resuming as it would have
-        logged = [r for r in records if r.get("step") == step and "val_loss" in r]
-        evaluation = Evaluation(logged[-1]["val_loss"], logged[-1].get("val_loss_1024")) if logged else None
-    return Resumed(step, ckpt["train_time_s"], evaluation, records)
+    logged = [r for r in records if r.get("step") == step and "val_loss" in r]
+    if ckpt["evaluated"] and logged:  # a stop rule judges that evaluation on resuming as it would have
+        run.resumed_evaluation = Evaluation(logged[-1]["val_loss"], logged[-1].get("val_loss_1024"))
+    return records
 
 
 def compile_model(args, env: Distributed, raw_model: GPT, compiled: bool) -> nn.Module:
@@ -2359,8 +2352,7 @@ def build_run(args, config: GPTConfig, env: Distributed, accumulation: int, run_
               # NoCap: bf16 autocast on CUDA; CPU runs stay in fp32 so tests are exact.
               autocast_ctx=precision(env.device, "bf16" if env.device.type == "cuda" else "fp32"),
               draw_log_weights=draw_log_weights(args, train_loader), claim=claim)
-    resumed = resume_from(ckpt_path, run) if ckpt_path is not None else Resumed()
-    run.start_step, run.train_time_s, run.resumed_evaluation = resumed.step, resumed.train_time_s, resumed.evaluation
+    kept_records = resume_from(ckpt_path, run) if ckpt_path is not None else None
     if env.is_main:  # every input is checked: the run directory may change now
         repair_run_dir(run_dir, restart=args.resume == "auto" and ckpt_path is None)
     run.model = compile_model(args, env, raw_model, compiled)
@@ -2370,7 +2362,7 @@ def build_run(args, config: GPTConfig, env: Distributed, accumulation: int, run_
     if args.log_wandb and env.is_main:
         import wandb  # check_run_flags made sure it is there
         wandb_run = wandb.init(project="gpt2-speedrun", name=os.path.basename(run_dir), config=vars(args))
-    run.log = RunLog(run_dir if env.is_main else None, resumed.records, wandb_run)
+    run.log = RunLog(run_dir if env.is_main else None, kept_records, wandb_run)
     return run
 
 
