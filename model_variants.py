@@ -34,7 +34,10 @@ class GPTConfig:
     attn_impl: str = knob("sdpa", "the attention kernel: sdpa (PyTorch's choice), flash (insist on flash), flex "
                                   "(FlexAttention with block masks: windows, documents) or manual (plain softmax)")
     window: int = knob(0, "attention window in tokens of the local layers; 0 = every layer global")
-    window_pattern: str = knob("L", "local (L) and global (G) layers, repeated over the blocks, e.g. LLLG")
+    # S: the user's plans' attention/spectral hybrid (their AFNO in the upper layers), made causal by construction.
+    window_pattern: str = knob("L", "the blocks' token mixers, repeated over them: L local attention (within window), "
+                                    "G global attention, S a causal spectral mixer (a long convolution by FFT); "
+                                    "e.g. LLLG, or GGGGSSSSSSSS")
     # "chunked" is causal attention over the blocks taken as a batch, so SDPA's fused kernels (cuDNN's on an
     # H100) run it, on window/T of full attention's work.
     window_kind: str = knob("sliding", "the local layers' window: sliding (the last `window` positions) or "
@@ -106,8 +109,12 @@ class GPTConfig:
         for name, allowed in (("attn_impl", ATTN_IMPLS), ("mlp_act", MLP_ACTS), ("window_kind", WINDOW_KINDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        if not self.window_pattern or set(self.window_pattern) - {"L", "G"}:
-            raise ValueError(f"window_pattern={self.window_pattern!r} must be made of L and G, e.g. LLLG")
+        if not self.window_pattern or set(self.window_pattern) - {"L", "G", "S"}:
+            raise ValueError(f"window_pattern={self.window_pattern!r} must be made of L, G and S, e.g. LLLG")
+        spectral = "S" in self.window_pattern
+        if spectral and (self.value_embeds or self.doc_mask or (self.value_residual and self.layer_kind(0) == "S")):
+            raise ValueError("spectral layers (S in window_pattern) have no per-head values (value_embeds, and "
+                             "value_residual from an S block 0) and mix across documents (doc_mask): turn those off")
         if self.value_residual and self.kv_lora_rank:
             raise ValueError("value_residual mixes per-head values of grouped attention; MLA (kv_lora_rank > 0) "
                              "has no such values — turn one of them off")
@@ -171,11 +178,15 @@ class GPTConfig:
             return layer - (self.n_layer - self.value_embeds)
         return None
 
+    def layer_kind(self, layer: int) -> str:
+        """A block's token mixer: "L" local attention, "G" global attention, "S" the spectral mixer."""
+        return self.window_pattern[layer % len(self.window_pattern)]
+
     def layer_window(self, layer: int) -> int:
         """The attention window of a block: `window` for local (L) layers, 0 (full causal) for global ones."""
         if not self.window:
             return 0
-        return self.window if self.window_pattern[layer % len(self.window_pattern)] == "L" else 0
+        return self.window if self.layer_kind(layer) == "L" else 0
 
 
 def _divisors(n: int) -> list[int]:
@@ -207,6 +218,7 @@ VARIANTS: dict[str, GPTConfig] = {
     "d12_moe": replace(D12, moe_experts=8, moe_topk=2),  # 8 experts of width 1536, 2 active: d12's active FLOPs
     "d12_mla": replace(D12, kv_lora_rank=256),  # K/V from a 256-wide latent + 32 shared rotary dims
     "d12_swa": replace(D12, attn_impl="flex", window=256, window_pattern="LLLG"),  # 3 local : 1 global
+    "d12_spectral": replace(D12, window_pattern="GGGGSSSSSSSS"),  # attention in 4 layers, spectral mixing above
     # The combination the user's performance analysis recommended first (it expected 1.6-1.8x):
     "d12_lite": replace(D12, n_kv_head=4, attn_impl="flash", mlp_ratio=3),
     # The user's plans' ideas and NoCap's own setup only (no part of the modded-nanogpt lineage): d12 with a

@@ -66,7 +66,7 @@ def test_every_variant_builds_trains_and_is_causal(name):
 @pytest.mark.parametrize("bad, message", [
     (dict(n_kv_head=5), "n_kv_head=5 does not divide n_head=12"),
     (dict(moe_experts=4, moe_topk=5), "moe_topk=5 exceeds"),
-    (dict(window=8, window_pattern="LX"), "made of L and G"),
+    (dict(window=8, window_pattern="LX"), "made of L, G and S"),
     (dict(window=8, window_kind="blocks"), "window_kind='blocks' is not one of sliding, chunked"),
     (dict(kv_lora_rank=64, n_head=24, n_embd=144), "MLA turns half of each head's 6 dimensions"),
     (dict(mlp_act="geglu"), "mlp_act='geglu'"),
