@@ -3,9 +3,9 @@
 # steps at each model's own batch (its recipe's: one micro-batch of 16x4096 for d12_fast) on the P40 proxy
 # shards, 4 warmup and 4 cooldown steps, one 16k-token evaluation at the end, no coordinate-descent tuning (a
 # recipe's combo kernels stay), under a GPU memory cap (default 22 GiB: does it fit a 24 GB card?), at the full
-# attention window (a recipe's window warmup off: the run measures the steady state, not its first stage). tokens/s is the trainer's median over
-# steps 11-40, thirty steps, so that an occasional slow step (a host hiccup) moves it little; the compile time
-# is reported beside it, never inside it.
+# attention window (a recipe's window warmup off: the run measures the steady state, not its first stage).
+# tokens/s is the trainer's median over steps 11-40, thirty steps, so that an occasional slow step (a host hiccup)
+# moves it little; the compile time is reported beside it, never inside it.
 #   bash scripts/throughput.sh DATA_DIR [MODEL ...] [-- extra train_gpt2.py flags]
 # DATA_DIR holds mix_train_000001.bin, mix_train_000002.bin and mix_val_000000.bin (decompressed from
 # ../shared/data/proxy). Default model: d12_fast. MEMORY_CAP_GIB=none drops the cap (CPU runs).
