@@ -189,6 +189,11 @@ def add_schedule_flags(g):
                    help="LayerDrop: skip each block but the first with this probability, falling linearly to 0 "
                         "at step --layerdrop_iters (never in evaluation)")
     g.add_argument("--layerdrop_iters", type=int, default=0, help="steps over which --layerdrop falls to 0")
+    g.add_argument("--token_dropout", type=float, default=0.0,
+                   help="token dropout with a consistency loss (R-Drop with the plans' TokenMask): each micro-batch "
+                        "also runs with this fraction of its input tokens replaced by <|endoftext|>; the objective "
+                        "is both passes' mean next-token loss plus the symmetric KL between their predictions. "
+                        "Twice the work per token; needs the full softmax. e.g. 0.15; 0: off")
     g.add_argument("--sampled_softmax", type=int, default=0,
                    help="in training, the head scores K columns: the micro-batch's targets, and others drawn by "
                         f"their counts in the training data's first {FREQUENCY_COUNT_TOKENS // 1_000_000}M tokens, "
@@ -296,6 +301,10 @@ def check_run_flags(args):
         raise InputError(f"--lr_schedule one_cycle rises over --warmup_iters steps ({args.warmup_iters}): pass "
                          f"a number between 1 and --num_iterations {args.num_iterations} - 1")
     check_doubling_flags(args, "curriculum", "--sequence_length", args.sequence_length)
+    if not 0 <= args.token_dropout < 1:
+        raise InputError(f"--token_dropout {args.token_dropout} is a probability: pass a number in [0, 1)")
+    if args.token_dropout and args.sampled_softmax:
+        raise InputError("--token_dropout compares both passes' full softmaxes; pass --sampled_softmax 0")
     if not 0 <= args.layerdrop < 1:
         raise InputError(f"--layerdrop {args.layerdrop} is a probability: pass a number in [0, 1)")
     if (args.layerdrop > 0) != (args.layerdrop_iters > 0):
@@ -830,6 +839,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 
+def symmetric_kl(logits_a: torch.Tensor, logits_b: torch.Tensor) -> torch.Tensor:
+    """(KL(p_a || p_b) + KL(p_b || p_a)) / 2 of the softmaxes of two logits (..., vocab), in at least fp32, averaged
+    over positions: R-Drop's consistency term (Liang et al. 2021), as sum (p_a - p_b)(log p_a - log p_b) / 2."""
+    dtype = torch.promote_types(logits_a.dtype, torch.float32)
+    log_a, log_b = logits_a.to(dtype).log_softmax(dim=-1), logits_b.to(dtype).log_softmax(dim=-1)
+    return ((log_a.exp() - log_b.exp()) * (log_a - log_b)).sum(dim=-1).mean() / 2
+
+
 class SoftmaxSample(NamedTuple):
     """A training softmax over `columns` columns of the vocabulary: every target of the micro-batch, and others
     drawn in proportion to exp(log_weights) (vocab,) by `draws` (vocab,), uniform on [0, 1); draws of shape
@@ -869,6 +886,7 @@ def sampled_softmax_columns(targets: torch.Tensor, sample: SoftmaxSample, vocab:
 
 
 MTP_WEIGHT = 0.3  # the extra targets' mean loss in the training objective (DeepSeek-V3 starts at 0.3)
+CONSISTENCY_WEIGHT = 1.0  # token dropout's consistency term (R-Drop's weight for language modeling)
 MOE_AUX_WEIGHT = 0.01  # the load-balancing loss's weight (the Switch Transformer's)
 
 
@@ -948,27 +966,33 @@ class GPT(nn.Module):
         return loss, loss.detach()
 
     def forward(self, idx, targets=None, return_logits=True, drop_blocks: tuple[int, ...] = (), local_window: int = 0,
-                sampled_softmax: SoftmaxSample | None = None):
+                sampled_softmax: SoftmaxSample | None = None, token_keep: torch.Tensor | None = None):
         """idx, targets: (B, T) token ids. Returns (logits or None, loss or None, aux). The loss is the
         next-token cross-entropy in eval mode and the training objective (plus weighted MTP and MoE terms)
         in training mode; `aux` holds the terms (detached) for logging, empty in eval mode.
         In training mode the blocks in drop_blocks pass the stream through unchanged (LayerDrop); in eval mode
         every block runs. A local_window other than 0 replaces the local layers' window (the window warmup;
         training only), and a sampled_softmax replaces the next-token head's full softmax (training only; see
-        head_loss). With doc_mask, attention stays within the documents of each row (document_ids)."""
+        head_loss). With doc_mask, attention stays within the documents of each row (document_ids). token_keep
+        (B, T) bool, training only: token dropout, the rows run again with the other tokens read as <|endoftext|>."""
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size {self.config.block_size}")
         cos, sin = self.rotary(T)
-        masking = self.masking(idx, local_window)
-        x, moe_terms = self.run_blocks(self.embed(idx), idx, cos, sin, masking, drop_blocks)
-        h = rms_norm(x)
+        x = self.embed(idx)
+        if token_keep is not None:  # one batch of both passes: the rows, then the rows with tokens dropped
+            # A dropped token reads as <|endoftext|>, not as a zero vector: a row that starts with dropped tokens
+            # would carry an all-zero stream, whose backward is NaN on CUDA (not on the CPU).
+            x = torch.cat([x, self.embed(idx.masked_fill(~token_keep, self.config.doc_token))])
+            idx = torch.cat([idx, idx])
+        x, moe_terms = self.run_blocks(x, idx, cos, sin, self.masking(idx, local_window), drop_blocks)
+        h, masked_h = rms_norm(x).chunk(2) if token_keep is not None else (rms_norm(x), None)
         if targets is None:
             return self.logits(h[:, [-1], :]), None, {}  # inference: only the last position
         logits = self.logits(h) if return_logits else None  # (B, T, vocab)
         if not self.training:
             return logits, self.head_loss(h, targets, logits=logits)[0], {}
-        loss, aux = self.training_objective(h, targets, logits, sampled_softmax, moe_terms)
+        loss, aux = self.training_objective(h, targets, logits, sampled_softmax, moe_terms, masked_h)
         return logits, loss, aux
 
     def masking(self, idx: torch.Tensor, local_window: int) -> Masking:
@@ -1019,13 +1043,22 @@ class GPT(nn.Module):
                 moe_terms.append(moe)
         return x, moe_terms
 
-    def training_objective(self, h, targets, logits, sampled_softmax: SoftmaxSample | None,
-                           moe_terms: list) -> tuple[torch.Tensor, dict]:
+    def training_objective(self, h, targets, logits, sampled_softmax: SoftmaxSample | None, moe_terms: list,
+                           masked_h: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """The training loss over the final hidden states h: the next-token loss, plus the weighted MTP and MoE
-        balance terms; and those terms, detached, for logging."""
+        balance terms; and those terms, detached, for logging. With masked_h (token dropout: the same rows with
+        tokens masked), R-Drop's objective: the mean of both passes' next-token losses plus the weighted
+        symmetric KL between their predictions (the full softmax's)."""
         c = self.config
+        if masked_h is not None and logits is None:
+            logits = self.logits(h)
         objective, next_token_loss = self.head_loss(h, targets, logits, sampled_softmax)
         aux = {"next_token_loss": next_token_loss}
+        if masked_h is not None:
+            masked_logits = self.logits(masked_h)
+            masked_loss, consistency = cross_entropy(masked_logits, targets), symmetric_kl(logits, masked_logits)
+            aux["masked_token_loss"], aux["consistency_loss"] = masked_loss.detach(), consistency.detach()
+            objective = (objective + masked_loss) / 2 + CONSISTENCY_WEIGHT * consistency
         if c.mtp_k:
             mtp_losses = []
             for j, proj in enumerate(self.mtp_proj, start=1):
@@ -1589,6 +1622,16 @@ def draw_log_weights(args, loader: TokenLoader) -> torch.Tensor | None:
     return torch.from_numpy(np.log1p(counts)).float().to(loader.device)
 
 
+def tokens_to_keep(step: int, micro_step: int, args, env, shape: torch.Size) -> torch.Tensor | None:
+    """Token dropout's mask of a micro-batch of `shape` (rows, T), True where a token is kept, each dropped with
+    probability --token_dropout (None: off). The draw depends only on (seed, step, micro_step, rank), so a
+    resumed run masks what the uninterrupted one masked."""
+    if not args.token_dropout:
+        return None
+    generator = torch.Generator().manual_seed(micro_batch_seed(args.seed, step, micro_step, env.rank))
+    return host_to_device(torch.rand(shape, generator=generator) >= args.token_dropout, env.device)
+
+
 def blocks_to_drop(step: int, micro_step: int, seed: int, p: float, n_layer: int) -> tuple[int, ...]:
     """The blocks a micro-batch skips: each block but the first independently with probability p. The draw
     depends only on (seed, step, micro_step), so every process skips the same blocks and a resumed run draws
@@ -1657,10 +1700,11 @@ def mean_attention_span(rows: torch.Tensor, window: int, chunked: bool, doc_toke
 
 class StepMeter:
     """Throughput of the optimizer steps: tokens/s and MFU of each, peak memory, and the steady-state median
-    the summary reports (steps after the 10th: compile stragglers and allocator warm-up stay out)."""
+    the summary reports (steps after the 10th: compile stragglers and allocator warm-up stay out). `passes`: the
+    forward and backward passes a token takes (token dropout's two), which MFU counts."""
 
-    def __init__(self, model: GPT, env, tokens_per_step: int, sample: torch.Tensor | None = None):
-        self.model, self.sample, self.peak = model, sample, peak_flops(env.device)
+    def __init__(self, model: GPT, env, tokens_per_step: int, sample: torch.Tensor | None = None, passes: int = 1):
+        self.model, self.sample, self.peak, self.passes = model, sample, peak_flops(env.device), passes
         self.device, self.world_size, self.tokens_per_step = env.device, env.world_size, tokens_per_step
         self.flops_by_shape: dict[tuple[int, int, int], float] = {}  # (rows, window, head columns) -> FLOPs/token
         self.step_seconds: list[float] = []  # this process's steps (a resumed run counts from the resume)
@@ -1675,7 +1719,8 @@ class StepMeter:
         shape = (rows, local_window, head_columns)
         if shape not in self.flops_by_shape:
             sample = None if self.sample is None else self.sample.reshape(-1, rows)
-            self.flops_by_shape[shape] = flops_per_token(self.model, rows, sample, local_window, head_columns)
+            flops = flops_per_token(self.model, rows, sample, local_window, head_columns)
+            self.flops_by_shape[shape] = self.passes * flops
         return self.flops_by_shape[shape]
 
     def mfu(self, tokens_per_s: float, rows: int, local_window: int, head_columns: int = 0) -> float | None:
@@ -2437,7 +2482,8 @@ def train_step(run: Run, step: int, settings: StepSettings) -> tuple[torch.Tenso
         with sync:
             with run.autocast_ctx:
                 _, objective, aux = run.model(x, y, return_logits=False, drop_blocks=drop, local_window=window,
-                                              sampled_softmax=sample)
+                                              sampled_softmax=sample,
+                                              token_keep=tokens_to_keep(step, micro_step, run.args, run.env, x.shape))
             (objective / accumulation).backward()
         run.train_loader.prefetch()  # the next micro-batch (the next step's first), read while this one runs
         step_loss += aux.pop("next_token_loss") / accumulation
@@ -2678,7 +2724,7 @@ def train(args) -> int:
                 run.log.print(f"received signal {e.args[0]} during the compile warm-up: stopping, nothing trained")
             if outcome.status != "interrupted":
                 sample = run.train_loader.sample_rows(64) if run.config.doc_mask else None  # documents' lengths
-                meter = StepMeter(run.raw_model, run.env, run.tokens_per_step, sample)
+                meter = StepMeter(run.raw_model, run.env, run.tokens_per_step, sample, 2 if args.token_dropout else 1)
                 train_loop(run, stop, outcome, meter)
         finish(run, outcome, meter, wall_start)
     except WriteFailed as e:
