@@ -221,8 +221,8 @@ VARIANTS: dict[str, GPTConfig] = {
     "d12_spectral": replace(D12, window_pattern="GGGGSSSSSSSS"),  # attention in 4 layers, spectral mixing above
     # The combination the user's performance analysis recommended first (it expected 1.6-1.8x):
     "d12_lite": replace(D12, n_kv_head=4, attn_impl="flash", mlp_ratio=3),
-    # The user's plans' ideas and NoCap's own setup only (no part of the modded-nanogpt lineage): d12 with a
-    # SwiGLU MLP; its recipe (RECIPES) brings the one-cycle learning rate and the sequence-length curriculum.
+    # The user's plans' ideas, NoCap's own setup and published ones only (no part of the modded-nanogpt lineage):
+    # d12 with a SwiGLU MLP (Shazeer 2020); its recipe (RECIPES) brings the batch, schedule and curriculum.
     "d12_nocap": replace(D12, mlp_act="swiglu"),
     # The measured-best recipe: each part's P100 measurement is in docs/RESULTS.md ("d12_fast's parts"; the
     # older parts' P40 rows in the notebook at d81deca, docs/measurements/README.md).
@@ -298,11 +298,14 @@ RECIPES: dict[str, dict] = {
         # with dozens of tiny weight casts, which the GPU runs faster than the host launches them one by one.
         # (Coordinate-descent tuning, NoCap's and d12's, gains 0.4% tokens/s for 96 s more compile.)
         compile_tuning="combo_kernels"),
-    # NoCap's baseline schedule (4,768 steps of 524,288 tokens, lr 1.8e-3) with two ideas of the user's plans
-    # that paid on P100 together, and with the SwiGLU model: a one-cycle learning rate rising over the first 30%
-    # of the steps (torch's OneCycleLR shape) and rows of 256 tokens doubling to 1024 over the first 20%. The
-    # schedule stays NoCap's length: its lead was measured at 100M tokens only, not over a horizon curve.
-    "d12_nocap": dict(lr_schedule="one_cycle", warmup_iters=1430, curriculum_iters=954),
+    # NoCap's baseline token budget (4,768 steps of 524,288 = 2.5B tokens) in 16x smaller steps, with the ideas
+    # that paid on P100 (docs/RESULTS.md, "d12_nocap"): 32,768 tokens per step (small batches learn more per token
+    # below the critical batch size: McCandlish et al. 2018); a 5% linear warmup, then a linear decay to zero over
+    # the rest (Bergsma et al. 2025), at the peak lr 8e-4 that beat 4e-4 / 6e-4 / 1.2e-3 / 1.8e-3 there; rows of
+    # 256 tokens doubling to 1024 over the first 20% (sequence-length warmup: Li et al. 2022). The schedule stays
+    # NoCap's length: its FineWeb tokens have not been read off a horizon curve.
+    "d12_nocap": dict(total_batch_size=32768, num_iterations=76288, learning_rate=8e-4, warmup_iters=3814,
+                      warmdown_iters=72474, curriculum_iters=15258, val_loss_every=2048),
 }
 
 

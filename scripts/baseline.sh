@@ -4,7 +4,7 @@
 # (e.g. --run_name, or --batch_size 8 --grad_accumulation_steps 64 on a card with less memory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Its flags would override another model's recipe (d12_nocap's one-cycle warmup, say) without a word.
+# Its flags would override another model's recipe (d12_nocap's warmup, say) without a word.
 for flag in "$@"; do
   case "$flag" in --model|--model=*)
     echo "error: baseline.sh trains d12 with NoCap's flags; for another model with its own recipe run" \

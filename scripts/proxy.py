@@ -93,12 +93,10 @@ PROTOCOLS = {
         # d12@P100: 762 steps = 99.9M tokens at lr 1.2e-3, the best of 6e-4 / 1.2e-3 / 1.8e-3 (docs/BENCHMARKS.md).
         reference=reference_schedule(762, 1.2e-3),
         # d12_fast's FineWeb recipe re-sized to 20M tokens: it crosses d12@P100's final loss near 13M.
-        # d12_nocap trains on d12@P100's schedule, its one-cycle rise and curriculum the same fractions of it as
-        # of NoCap's 4768 steps.
+        # d12_nocap's recipe at d12@P100's tokens (3048 steps of 32,768), 32 evaluations: the measured runs.
         forms={"d12_fast": dict(budget=20_000_000),
-               "d12_nocap": {**reference_schedule(762, 1.2e-3),
-                             **{flag: round(762 * RECIPES["d12_nocap"][flag] / NOCAP_STEPS)
-                                for flag in ("warmup_iters", "curriculum_iters")}}}),
+               "d12_nocap": dict(batch_size=16, sequence_length=1024, num_iterations=3048, warmup_iters=152,
+                                 warmdown_iters=2896, curriculum_iters=608, val_loss_every=94, val_batch_size=16)}),
 }
 
 

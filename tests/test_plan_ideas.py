@@ -285,14 +285,17 @@ def test_longer_validation_rows_decide_the_target_and_nocaps_rows_are_scored_bes
     assert "final_val_loss_1024" not in json.loads((tmp_path / "nocap" / "summary.json").read_text())
 
 
-def test_d12_nocap_is_d12_swiglu_trained_with_the_plans_schedule_ideas():
+def test_d12_nocap_is_d12_swiglu_with_small_steps_a_linear_decay_to_zero_and_the_curriculum():
     from model_variants import VARIANTS
-    from train_gpt2 import check_run_flags, parse_args
+    from train_gpt2 import check_run_flags, parse_args, resolve_grad_accumulation
     args = parse_args(["--model", "d12_nocap"])
     check_run_flags(args)  # its recipe is a valid run
     assert VARIANTS["d12_nocap"] == VARIANTS["d12_swiglu"]
-    assert (args.optimizer, args.learning_rate, args.num_iterations, args.lr_schedule) == (
-        "adamw", 0.0018, 4768, "one_cycle")
-    rows = [schedule_at(step, args, D12).row_length for step in (0, 476, 477, 953, 954)]
+    assert (args.optimizer, args.learning_rate, args.lr_schedule) == ("adamw", 8e-4, "trapezoid")
+    assert args.num_iterations * args.total_batch_size == 4768 * 524_288  # NoCap's baseline tokens
+    assert resolve_grad_accumulation(args, 1) == 2  # two micro-batches of 16 rows of 1024 tokens
+    rows = [schedule_at(step, args, D12).row_length for step in (0, 7628, 7629, 15257, 15258)]
     assert rows == [256, 256, 512, 512, 1024]
-    assert lr_scale(1429, args) == 1.0 and lr_scale(4767, args) == pytest.approx(0.0)
+    lr = [lr_scale(step, args) for step in (0, 3813, 3814, 40_051, 76_287)]
+    assert lr[1] == lr[2] == 1.0 and 0 < lr[0] < 0.001  # 5% warmup, then at once the decay to zero
+    assert lr[3] == 0.5 and lr[4] == pytest.approx(1 / 72_474)

@@ -861,8 +861,9 @@ def test_list_models(capsys):
     recipes = {line.split()[1]: line for line in lines if line.startswith("--model")}
     assert recipes["d12_fast"].startswith("--model d12_fast also sets: --optimizer muon")
     assert recipes["d12_fast"].endswith(" --compile_tuning combo_kernels")  # as the flags are typed
-    assert recipes["d12_nocap"] == ("--model d12_nocap also sets: --lr_schedule one_cycle --warmup_iters 1430 "
-                                    "--curriculum_iters 954")
+    assert recipes["d12_nocap"] == ("--model d12_nocap also sets: --total_batch_size 32768 --num_iterations 76288 "
+                                    "--learning_rate 0.0008 --warmup_iters 3814 --warmdown_iters 72474 "
+                                    "--curriculum_iters 15258 --val_loss_every 2048")
     assert rows["d12"].split()[5:7] == ["123.5M", "123.5M"]  # 50257*768 + 12*12*768^2, all active
     assert rows["d12_moe"].split()[5:7] == ["293.5M", "123.6M"] and "moe_experts=8" in rows["d12_moe"]
     assert rows["d12_gqa"].split()[3] == "4" and rows["d12_gqa"].endswith("n_kv_head=4")
