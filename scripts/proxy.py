@@ -241,10 +241,21 @@ def train_command(protocol: Protocol, spec: Spec, data: str, runs_dir: str) -> l
             "--output_dir", runs_dir, "--run_name", spec.name, *spec.flags]
 
 
-def score_checks(protocol: Protocol, run_dir: str, data: str) -> dict:
+def visible_index(gpu: str | None) -> int:
+    """The index, among the GPUs this process sees, of the CUDA_VISIBLE_DEVICES entry a run was given (0: none
+    given, or one this process cannot place)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        entries = visible.split(",")
+        return entries.index(gpu) if gpu in entries else 0
+    return int(gpu) if gpu is not None and gpu.isdigit() else 0
+
+
+def score_checks(protocol: Protocol, run_dir: str, data: str, gpu: str | None = None) -> dict:
     """The final checkpoint's loss (fp32, NoCap protocol) on each real-FineWeb check shard present in data,
-    scored in this process: one model load for all the shards, no interpreter start per shard. A run validated
-    on rows longer than NoCap's is scored on those and, as "<shard>@1024", on NoCap's 1024-token rows."""
+    scored in this process (one model load for all the shards, no interpreter start per shard) on the GPU the
+    run trained on. A run validated on rows longer than NoCap's is scored on those and, as "<shard>@1024", on
+    NoCap's 1024-token rows."""
     import torch
     from eval_checkpoint import score
     from train_gpt2 import (NOCAP_VAL_ROW, model_from_checkpoint, nocap_rows_batch, pick_device, scores_nocap_rows,
@@ -254,7 +265,7 @@ def score_checks(protocol: Protocol, run_dir: str, data: str) -> dict:
     if not checkpoints or not present:
         return {}
     run_args = argparse.Namespace(**read_json(os.path.join(run_dir, "config.json"))["args"])
-    model, _ = model_from_checkpoint(os.path.join(run_dir, checkpoints[-1]), pick_device("auto"))
+    model, _ = model_from_checkpoint(os.path.join(run_dir, checkpoints[-1]), pick_device("auto", visible_index(gpu)))
     # The rows the run's own validation used (NoCap's 1024 tokens unless it asked otherwise), whatever its
     # training rows: a run trained on longer rows is scored on the checks like every other.
     scores = {shard: score(model, os.path.join(data, shard), tokens, run_args.val_batch_size, val_row_length(run_args))
@@ -286,10 +297,44 @@ def archive(work: str, path: str):
     os.replace(tmp, path)
 
 
+def launch(protocol: Protocol, spec: Spec, data: str, runs_dir: str, logs_dir: str, gpu: str | None):
+    """Start one spec's training in the background, on `gpu` alone (None: on the GPUs this process sees)."""
+    on_gpu = {} if gpu is None else {"CUDA_VISIBLE_DEVICES": gpu}
+    print(f"start {spec.name}{'' if gpu is None else f' on GPU {gpu}'}: {spec.model} {' '.join(spec.flags)}",
+          flush=True)
+    log = open(os.path.join(logs_dir, f"{spec.name}.log"), "w")
+    proc = subprocess.Popen(train_command(protocol, spec, data, runs_dir), stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **on_gpu))
+    return proc, log
+
+
+def conclude(protocol: Protocol, name: str, returncode: int, runs_dir: str, logs_dir: str, data: str,
+             gpu: str | None = None):
+    """A run that ended: its checks scored where it finished, one line on how it ended, its checkpoints gone."""
+    run_dir = os.path.join(runs_dir, name)
+    if returncode == 0 and finished(run_dir):
+        try:
+            checks = score_checks(protocol, run_dir, data, gpu)
+        except InputError as e:
+            print(f"{name}: checks not scored: {e}", flush=True)
+            checks = {}
+        with open(os.path.join(run_dir, "checks.json"), "w") as f:
+            json.dump(checks, f)
+        final = read_json(os.path.join(run_dir, "summary.json"))["final_val_loss"]
+        print(f"done {name}: " + json.dumps({"val_loss": final, **checks}), flush=True)
+    else:
+        print(f"failed {name}: exit {returncode}, see {os.path.join(logs_dir, name + '.log')}", flush=True)
+    for f in os.listdir(run_dir) if os.path.isdir(run_dir) else ():
+        if f.startswith("ckpt_"):
+            os.remove(os.path.join(run_dir, f))  # ~1.5 GB each; the checks have been scored
+
+
 def run_specs(protocol: Protocol, specs: list[Spec], data: str, work: str, jobs: int, wait_s: float,
-              src: str | None = None, archive_path: str | None = None, poll_s: float = 1.0) -> list[str]:
-    """Train the specs, up to `jobs` at once, each as soon as its shards are in data; score the checks of
-    each finished run and delete its checkpoint. Returns the run directories that finished."""
+              src: str | None = None, archive_path: str | None = None, poll_s: float = 1.0,
+              gpus: list[str] | None = None) -> list[str]:
+    """Train the specs, up to `jobs` at once on each of `gpus` (each run sees only its own through
+    CUDA_VISIBLE_DEVICES; None: the GPUs the process sees), each as soon as its shards are in data; score the
+    checks of each finished run and delete its checkpoint. Returns the run directories that finished."""
     runs_dir, logs_dir = os.path.join(work, "runs"), os.path.join(work, "logs")
     os.makedirs(runs_dir, exist_ok=True)
     os.makedirs(logs_dir, exist_ok=True)
@@ -302,40 +347,24 @@ def run_specs(protocol: Protocol, specs: list[Spec], data: str, work: str, jobs:
             shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts again from the beginning
             pending.append(spec)
     running: dict = {}
+    free_slots = [gpu for gpu in (gpus or [None]) for _ in range(jobs)]
     give_up = time.monotonic() + wait_s
     while pending or running:
         if src is not None:
             stage(src, data)
         for spec in [s for s in pending if shards_ready(protocol, s, data)]:
-            if len(running) >= jobs:
+            if not free_slots:
                 break
             pending.remove(spec)
-            print(f"start {spec.name}: {spec.model} {' '.join(spec.flags)}", flush=True)
-            log = open(os.path.join(logs_dir, f"{spec.name}.log"), "w")
-            proc = subprocess.Popen(train_command(protocol, spec, data, runs_dir), stdout=log, stderr=subprocess.STDOUT,
-                                    env=dict(os.environ, PYTHONUNBUFFERED="1"))
-            running[spec.name] = (proc, log)
-        for name, (proc, log) in list(running.items()):
+            gpu = free_slots.pop(0)
+            running[spec.name] = (*launch(protocol, spec, data, runs_dir, logs_dir, gpu), gpu)
+        for name, (proc, log, gpu) in list(running.items()):
             if proc.poll() is None:
                 continue
             log.close()
             del running[name]
-            run_dir = os.path.join(runs_dir, name)
-            if proc.returncode == 0 and finished(run_dir):
-                try:
-                    checks = score_checks(protocol, run_dir, data)
-                except InputError as e:
-                    print(f"{name}: checks not scored: {e}", flush=True)
-                    checks = {}
-                with open(os.path.join(run_dir, "checks.json"), "w") as f:
-                    json.dump(checks, f)
-                final = read_json(os.path.join(run_dir, "summary.json"))["final_val_loss"]
-                print(f"done {name}: " + json.dumps({"val_loss": final, **checks}), flush=True)
-            else:
-                print(f"failed {name}: exit {proc.returncode}, see {os.path.join(logs_dir, name + '.log')}", flush=True)
-            for f in os.listdir(run_dir) if os.path.isdir(run_dir) else ():
-                if f.startswith("ckpt_"):
-                    os.remove(os.path.join(run_dir, f))  # ~1.5 GB each; the checks have been scored
+            free_slots.append(gpu)
+            conclude(protocol, name, proc.returncode, runs_dir, logs_dir, data, gpu)
             if archive_path:
                 archive(work, archive_path)
         stuck = pending and not running and not any(shards_ready(protocol, s, data) for s in pending)
@@ -372,6 +401,26 @@ def print_table(run_dirs: list[str], jobs: int, table_path: str, plot_path: str 
         print(f"plot: {plot_path}")
 
 
+def run_command(protocol: Protocol, args) -> int:
+    """`proxy.py run`: check the specs and the flags, say what each will train, train them, print the table."""
+    specs = [parse_spec(protocol, text, shlex.split(args.flags)) for text in args.specs]
+    if len({s.name for s in specs}) < len(specs):
+        raise InputError("two specs share a run name; name them (NAME:MODEL FLAGS...)")
+    if args.jobs < 1:
+        raise InputError(f"--jobs {args.jobs} must be >= 1")
+    gpus = None if args.gpus is None else args.gpus.split(",")
+    if gpus is not None and (not all(g.strip() for g in gpus) or len(set(gpus)) < len(gpus)):
+        raise InputError(f"--gpus {args.gpus!r}: pass distinct GPUs separated by commas, e.g. --gpus 0,1,2,3")
+    work = args.work or os.path.join("logs", f"{protocol.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    for spec in specs:
+        passes = spec.tokens / protocol.tokens
+        note = f" ({passes:.1f} passes)" if passes > 1.01 else ""
+        print(f"{spec.name}: {spec.steps} steps x {spec.tokens_per_step:,} = {spec.tokens / 1e6:.1f}M tokens{note}")
+    done = run_specs(protocol, specs, args.data, work, args.jobs, args.wait, args.src, args.archive, gpus=gpus)
+    print_table(done, args.jobs, os.path.join(work, "table.txt"), args.plot)
+    return 0 if len(done) == len(specs) else 1
+
+
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -389,7 +438,10 @@ def main(argv=None) -> int:
     r.add_argument("--src", default=None, help="also unpack new shards from this folder while running")
     r.add_argument("--work", default=None, help="run directories and logs (default logs/<protocol>-<time>)")
     r.add_argument("--jobs", type=int, default=1,
-                   help="runs at once on the GPU; above 1 for losses only (shared GPU: times mean nothing)")
+                   help="runs at once on each GPU; above 1 for losses only (shared GPU: times mean nothing)")
+    r.add_argument("--gpus", default=None,
+                   help="comma-separated CUDA_VISIBLE_DEVICES entries (0,1,2,3): one run on each at once, each "
+                        "alone on its GPU, so times stay comparable (default: the GPUs this process sees)")
     r.add_argument("--flags", default="", help="extra train_gpt2.py flags for every spec (e.g. '--seed 1')")
     r.add_argument("--wait", type=float, default=0, help="seconds to wait for shards that are not there yet")
     r.add_argument("--archive", default=None, help="also keep the runs' small files in this .tgz")
@@ -410,20 +462,7 @@ def main(argv=None) -> int:
         if args.command == "flags":
             print(" ".join(shlex.quote(w) for w in parse_spec(protocol, args.spec).flags))
             return 0
-        common = shlex.split(args.flags)
-        specs = [parse_spec(protocol, text, common) for text in args.specs]
-        if len({s.name for s in specs}) < len(specs):
-            raise InputError("two specs share a run name; name them (NAME:MODEL FLAGS...)")
-        if args.jobs < 1:
-            raise InputError(f"--jobs {args.jobs} must be >= 1")
-        work = args.work or os.path.join("logs", f"{protocol.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-        for spec in specs:
-            passes = spec.tokens / protocol.tokens
-            note = f" ({passes:.1f} passes)" if passes > 1.01 else ""
-            print(f"{spec.name}: {spec.steps} steps x {spec.tokens_per_step:,} = {spec.tokens / 1e6:.1f}M tokens{note}")
-        done = run_specs(protocol, specs, args.data, work, args.jobs, args.wait, args.src, args.archive)
-        print_table(done, args.jobs, os.path.join(work, "table.txt"), args.plot)
-        return 0 if len(done) == len(specs) else 1
+        return run_command(protocol, args)
 
     try:
         return act()

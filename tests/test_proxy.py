@@ -181,6 +181,46 @@ def test_run_trains_each_spec_scores_the_checks_and_archives(tmp_path, capsys):
     assert capsys.readouterr().out.count("already finished") == 2
 
 
+def test_gpus_run_one_spec_on_each_at_once_each_seeing_only_its_own(tmp_path, monkeypatch, capsys):
+    data, work = tmp_path / "data", tmp_path / "work"
+    make_shards(data, prefix="mix", n_train=2, cyclic=True)
+    started, real_popen = [], proxy.subprocess.Popen
+
+    def recording_popen(command, **kwargs):  # which GPU each run was given, and how many ran when it started
+        live = sum(proc.poll() is None for _, _, proc in started)
+        proc = real_popen(command, **kwargs)
+        started.append((kwargs["env"].get("CUDA_VISIBLE_DEVICES"), live, proc))
+        return proc
+
+    monkeypatch.setattr(proxy.subprocess, "Popen", recording_popen)
+    proxy.PROTOCOLS["TINY"] = tiny_protocol(checks=())
+    try:
+        code = proxy.main(["run", "TINY", "a:tiny", "b:tiny --seed 1", "c:tiny --seed 2", "--data", str(data),
+                           "--work", str(work), "--flags", TINY, "--gpus", "7,9"])
+    finally:
+        del proxy.PROTOCOLS["TINY"]
+    out = capsys.readouterr().out
+    assert code == 0, out
+    gpus = [gpu for gpu, _, _ in started]
+    assert sorted(gpus[:2]) == ["7", "9"] and gpus[2] in ("7", "9")  # the third takes the GPU freed first
+    assert [live for _, live, _ in started][:2] == [0, 1] and started[2][1] <= 1  # never two runs on one GPU
+    assert "start a on GPU 7:" in out and "shared the GPU" not in out
+
+
+def test_each_runs_checks_are_scored_on_the_gpu_it_trained_on(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [proxy.visible_index(g) for g in (None, "0", "3", "GPU-5e1f")] == [0, 0, 3, 0]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")  # this process sees three; cuda:1 is physical GPU 6
+    assert [proxy.visible_index(g) for g in ("6", "7", "5")] == [1, 2, 0]
+
+
+@pytest.mark.parametrize("gpus", ["0,0", "0,,1", ""])
+def test_bad_gpus_are_one_clear_error(tmp_path, capsys, gpus):
+    assert proxy.main(["run", "P100", "d12", "--work", str(tmp_path), "--gpus", gpus]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --gpus {gpus!r}: pass distinct GPUs separated by commas, e.g. --gpus 0,1,2,3")
+
+
 def test_a_spec_whose_shards_never_arrive_fails_after_the_wait(tmp_path, capsys):
     data = tmp_path / "data"
     make_shards(data, prefix="mix", n_train=1, train_tokens=2_000)
