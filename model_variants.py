@@ -284,8 +284,8 @@ RECIPES: dict[str, dict] = {
         # Trained and validated on rows of 4096 tokens (16 per micro-batch: the step in one; validation on
         # the training rows, so that shorter ones given on the command line are validated as they train): the
         # validation tokens are NoCap's, each scored with up to 4x the context, and NoCap's 1024-token rows are
-        # scored and reported beside them (val_loss_1024). The target is judged on the 4096-token rows, which
-        # NoCap allows.
+        # scored where the run stops (val_loss_1024). The target is judged on the 4096-token rows, which NoCap
+        # allows.
         # Against 1024-token rows it ends lower the longer it trains, for 5% of the tokens/s; scored in 1024-token
         # rows it ends where the 1024-token recipe does.
         # One micro-batch a step: its fixed costs (weight casts, launches, the sum of two micro-batches'

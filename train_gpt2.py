@@ -215,7 +215,7 @@ def add_evaluation_flags(p: argparse.ArgumentParser):
     g.add_argument("--val_sequence_length", type=_parse_val_rows, default=None,
                    help="tokens per validation row (default: NoCap's 1024, or --sequence_length if shorter), or "
                         "'train': the training rows. Longer rows (a multiple of 1024) decide the target; NoCap's "
-                        "rows of the same tokens are scored beside them (val_loss_1024)")
+                        "rows of the same tokens are scored once, where the run stops (val_loss_1024)")
     g.add_argument("--target_val_loss", type=float, default=NOCAP_TARGET_VAL_LOSS,
                    help="stop at the first evaluation at or below this (0 disables)")
     g.add_argument("--overtime_steps", type=int, default=0,
@@ -314,7 +314,7 @@ def check_run_flags(args):
         raise InputError(f"--val_sequence_length {args.val_sequence_length} must be >= 1")
     if val_row_length(args) > NOCAP_VAL_ROW and val_row_length(args) % NOCAP_VAL_ROW:
         raise InputError(f"--val_sequence_length {val_row_length(args)}: rows longer than NoCap's {NOCAP_VAL_ROW} "
-                         f"must be a multiple of it, so that NoCap's rows of the same tokens are scored beside them; "
+                         f"must be a multiple of it, so that NoCap's rows of the same tokens can be scored too; "
                          f"pass {val_row_length(args) // NOCAP_VAL_ROW * NOCAP_VAL_ROW or NOCAP_VAL_ROW} or "
                          f"{(val_row_length(args) // NOCAP_VAL_ROW + 1) * NOCAP_VAL_ROW}")
     if args.optimizer == "adamw8bit":
@@ -386,7 +386,7 @@ def val_row_length(args) -> int:
 
 
 def scores_nocap_rows(args) -> bool:
-    """Whether validation rows are longer than NoCap's, so that NoCap's 1024-token rows are scored beside them."""
+    """Whether validation rows are longer than NoCap's, so that NoCap's 1024-token rows are scored too."""
     return val_row_length(args) > NOCAP_VAL_ROW
 
 
@@ -2239,14 +2239,6 @@ def cap_gpu_memory(args, env: Distributed):
 
 
 @dataclass
-class Evaluation:
-    """The loss on the run's validation rows (what the target is judged on), and the same tokens' loss in
-    NoCap's 1024-token rows where those rows are longer (else None)."""
-    val_loss: float
-    val_loss_1024: float | None
-
-
-@dataclass
 class Run:
     """A training run as the loop sees it: built once by setup_run, advanced by train_step, written out by
     save_checkpoint and the summary."""
@@ -2271,7 +2263,7 @@ class Run:
     claim: RunDirClaim | None = None  # rank 0's hold on run_dir (None on the other ranks)
     start_step: int = 0
     train_time_s: float = 0.0  # optimizer steps only, carried over a resume
-    resumed_evaluation: Evaluation | None = None  # the evaluation logged at the resumed checkpoint's step
+    resumed_evaluation: float | None = None  # the val loss logged at the resumed checkpoint's step
     resumed_from: str | None = None  # the checkpoint's path
 
     @property
@@ -2380,7 +2372,7 @@ def resume_from(path: str, run: Run) -> list[dict]:
         records = [record for record in records if record.get("step", 0) <= step]  # the rest trains again
     logged = [r for r in records if r.get("step") == step and "val_loss" in r]
     if ckpt["evaluated"] and logged:  # a stop rule judges that evaluation on resuming as it would have
-        run.resumed_evaluation = Evaluation(logged[-1]["val_loss"], logged[-1].get("val_loss_1024"))
+        run.resumed_evaluation = logged[-1]["val_loss"]
     return records
 
 
@@ -2639,22 +2631,17 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
-def evaluate_and_record(run: Run, step: int, stop: StopSignal) -> tuple[Evaluation | None, float]:
-    """The evaluation of the model after `step` steps, written to metrics.jsonl: (its losses, seconds);
-    (None, seconds) when a signal cut it short."""
+def evaluate_and_record(run: Run, step: int, stop: StopSignal) -> tuple[float | None, float]:
+    """The model's loss after `step` steps on the run's validation rows (what the target is judged on), written
+    to metrics.jsonl: (the loss, seconds); (None, seconds) when a signal cut it short."""
     t0 = time.perf_counter()
-    losses = []
-    for val in filter(None, (run.val, run.nocap_val)):
-        losses.append(evaluate(run.eval_model, val, run.env.world_size, run.args.val_dtype,
-                               interrupted=lambda: agree(run.env, stop.signum)[0] > 0))
-        if losses[-1] is None:
-            return None, time.perf_counter() - t0
+    val_loss = evaluate(run.eval_model, run.val, run.env.world_size, run.args.val_dtype,
+                        interrupted=lambda: agree(run.env, stop.signum)[0] > 0)
     eval_s = time.perf_counter() - t0
-    result = Evaluation(losses[0], losses[1] if run.nocap_val is not None else None)
-    nocap_rows = {} if result.val_loss_1024 is None else dict(val_loss_1024=result.val_loss_1024)
-    run.log.record(step=step, tokens=run.tokens_through(step), val_loss=result.val_loss, **nocap_rows,
-                   train_time_s=run.train_time_s, eval_s=eval_s)
-    return result, eval_s
+    if val_loss is not None:
+        run.log.record(step=step, tokens=run.tokens_through(step), val_loss=val_loss, train_time_s=run.train_time_s,
+                       eval_s=eval_s)
+    return val_loss, eval_s
 
 
 def timed_step(run: Run, step: int) -> tuple[float, torch.Tensor, dict, float]:
@@ -2698,6 +2685,21 @@ class Outcome:
     final_val_loss_1024: float | None = None  # NoCap's 1024-token rows, where validation rows are longer
     compile_s: float = 0.0
     eval_time_s: float = 0.0
+
+
+def score_nocap_rows(run: Run, step: int, outcome: Outcome) -> str:
+    """Where the run ends on validation rows longer than NoCap's: the same tokens' loss in NoCap's 1024-token
+    rows, recorded beside the last evaluation and kept for the summary; the val line's text for it. Scored once,
+    not at every evaluation, which it would double."""
+    if run.nocap_val is None:
+        return ""
+    t0 = time.perf_counter()
+    outcome.final_val_loss_1024 = evaluate(run.eval_model, run.nocap_val, run.env.world_size, run.args.val_dtype)
+    eval_s = time.perf_counter() - t0
+    outcome.eval_time_s += eval_s
+    run.log.record(step=step, tokens=run.tokens_through(step), val_loss_1024=outcome.final_val_loss_1024,
+                   eval_s=eval_s)
+    return f" (1024-token rows: {outcome.final_val_loss_1024:.6f})"
 
 
 def train(args) -> int:
@@ -2779,11 +2781,12 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
             if result is None:
                 continue  # a signal cut the evaluation short: the top of the loop checkpoints and stops
         if due:
-            val_loss, evaluated = result.val_loss, True
-            outcome.final_val_loss, outcome.final_val_loss_1024 = val_loss, result.val_loss_1024
-            nocap_rows = "" if result.val_loss_1024 is None else f" (1024-token rows: {result.val_loss_1024:.6f})"
+            val_loss = outcome.final_val_loss = result
+            reached, evaluated = 0 < args.target_val_loss and val_loss <= args.target_val_loss, True
+            extends = step == scheduled_end and args.target_val_loss > 0 and overtime_applies(args)  # into overtime
+            nocap_rows = score_nocap_rows(run, step, outcome) if reached or last_step and not extends else ""
             emit(f"step:{step}/{final_step} | val loss {val_loss:.6f}{nocap_rows} | train_time {run.train_time_s:.1f}s")
-            if 0 < args.target_val_loss and val_loss <= args.target_val_loss:
+            if reached:
                 outcome.status = "reached_target"
                 break
             if step == scheduled_end and args.target_val_loss > 0:  # the schedule ended above the target
@@ -2798,8 +2801,7 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
         if step > run.start_step and (minutes_due or (save_steps and step % save_steps == 0)):
             save_checkpoint(run, step, evaluated)
             last_save = time.monotonic()
-        step_s, step_loss, aux, lr = timed_step(run, step)
-        train_loss = record_step(run, meter, step, (step_s, step_loss, aux, lr), final_step, progress, emit)
+        train_loss = record_step(run, meter, step, timed_step(run, step), final_step, progress, emit)
         step = outcome.step = step + 1
         if not math.isfinite(train_loss):  # all ranks see the same all-reduced loss, so all stop here
             outcome.status = "diverged"

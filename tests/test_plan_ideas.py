@@ -266,23 +266,40 @@ def test_longer_validation_rows_decide_the_target_and_nocaps_rows_are_scored_bes
     out = capsys.readouterr().out
     run = tmp_path / "long"
     evals = [m for m in read_metrics(run) if "val_loss" in m]
-    assert [m["step"] for m in evals] == [0, 3, 6] and all("val_loss_1024" in m for m in evals)
+    assert [m["step"] for m in evals] == [0, 3, 6] and not any("val_loss_1024" in m for m in evals)
+    nocap = [m for m in read_metrics(run) if "val_loss_1024" in m]
+    assert [m["step"] for m in nocap] == [6]  # scored where the run ends, not at every evaluation
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["final_val_loss"], summary["final_val_loss_1024"]) == (evals[-1]["val_loss"],
-                                                                           evals[-1]["val_loss_1024"])
+                                                                           nocap[0]["val_loss_1024"])
     assert f"final_val_loss_1024: {summary['final_val_loss_1024']:.4f}" in out
     assert "(1024-token rows: " in out
     # The two numbers are the final weights' losses on the same tokens in 2048- and in 1024-token rows.
     model, _ = model_from_checkpoint(str(next(run.glob("ckpt_*.pt"))), torch.device("cpu"))
     val_bin = shards[1]
     assert evals[-1]["val_loss"] == pytest.approx(score(model, val_bin, 4096, 1, 2048), abs=1e-6)
-    assert evals[-1]["val_loss_1024"] == pytest.approx(score(model, val_bin, 4096, 2, 1024), abs=1e-6)
-    assert evals[-1]["val_loss"] != evals[-1]["val_loss_1024"]
+    assert nocap[0]["val_loss_1024"] == pytest.approx(score(model, val_bin, 4096, 2, 1024), abs=1e-6)
+    assert evals[-1]["val_loss"] != nocap[0]["val_loss_1024"]
     # At NoCap's rows nothing is scored twice.
     assert main(tiny_run_args(shards, tmp_path, "nocap", "--block_size", "2048", "--val_sequence_length", "1024",
                               "--val_batch_size", "1", "--val_tokens", "4096")) == 0
     assert not any("val_loss_1024" in m for m in read_metrics(tmp_path / "nocap"))
     assert "final_val_loss_1024" not in json.loads((tmp_path / "nocap" / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("target, overtime, ends_at", [("100", "0", 0),  # at the target: at once
+                                                      ("0.01", "3", 9),  # not where overtime follows (6): at 9
+                                                      ("0.01", "0", 6)])  # missed, no overtime: its last step
+def test_nocaps_rows_are_scored_once_where_the_run_ends(tmp_path, shards, target, overtime, ends_at):
+    import json
+    assert main(tiny_run_args(shards, tmp_path, "r", "--block_size", "2048", "--val_sequence_length", "2048",
+                              "--val_batch_size", "1", "--val_tokens", "4096", "--target_val_loss", target,
+                              "--overtime_steps", overtime, "--lr_floor", "0.1")) == 0
+    records = read_metrics(tmp_path / "r")
+    assert [m["step"] for m in records if "val_loss_1024" in m] == [ends_at]
+    assert max(m["step"] for m in records if "val_loss" in m) == ends_at
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["final_val_loss_1024"] == next(m["val_loss_1024"] for m in records if "val_loss_1024" in m)
 
 
 def test_d12_nocap_is_d12_swiglu_with_small_steps_a_linear_decay_to_zero_and_the_curriculum():
