@@ -298,11 +298,11 @@ RECIPES: dict[str, dict] = {
         # with dozens of tiny weight casts, which the GPU runs faster than the host launches them one by one.
         # (Coordinate-descent tuning, NoCap's and d12's, gains 0.4% tokens/s for 96 s more compile.)
         compile_tuning="combo_kernels"),
-    # NoCap's baseline token budget (4,768 steps of 524,288 = 2.5B tokens) in 16x smaller steps, with the ideas
-    # that paid on P100 (docs/RESULTS.md, "d12_nocap"): 32,768 tokens per step (small batches learn more per token
-    # below the critical batch size: McCandlish et al. 2018); a 5% linear warmup, then a linear decay to zero over
-    # the rest (Bergsma et al. 2025), at the peak lr 8e-4 that beat 4e-4 / 6e-4 / 1.2e-3 / 1.8e-3 there; rows of
-    # 256 tokens doubling to 1024 over the first 20% (sequence-length warmup: Li et al. 2022). The schedule stays
+    # NoCap's baseline token budget (4,768 steps of 524,288 = 2.5B tokens) in 16x smaller steps (each part is
+    # measured in docs/RESULTS.md, "d12_nocap"): 32,768 tokens per step, as below the critical batch size small
+    # batches learn more per token (McCandlish et al. 2018); a 5% linear warmup, then a linear decay to zero over
+    # the rest (Bergsma et al. 2025), whose best peak lr is lower than the one-cycle shape's: 8e-4; rows of 256
+    # tokens doubling to 1024 over the first 20% (sequence-length warmup: Li et al. 2022). The schedule stays
     # NoCap's length: its FineWeb tokens have not been read off a horizon curve.
     "d12_nocap": dict(total_batch_size=32768, num_iterations=76288, learning_rate=8e-4, warmup_iters=3814,
                       warmdown_iters=72474, curriculum_iters=15258, val_loss_every=2048),
