@@ -156,8 +156,6 @@ def add_optimizer_flags(g):
                         "muon: Muon on the blocks' matrices, AdamW on the rest (--learning_rate for the head, "
                         "--embed_lr, --scalar_lr)")
     g.add_argument("--learning_rate", type=float, default=0.0018, help="peak AdamW learning rate")
-    g.add_argument("--adam_beta2", type=float, default=0.95,
-                   help="AdamW's (and 8-bit AdamW's) second-moment decay (NoCap: 0.95)")
     g.add_argument("--embed_lr", type=float, default=None,
                    help="--optimizer muon: peak AdamW learning rate of the value-embedding tables (--value_embeds; "
                         "default --learning_rate)")
@@ -324,9 +322,8 @@ def check_run_flags(args):
     for name in ("learning_rate", "embed_lr", "scalar_lr", "muon_lr", "weight_decay"):
         if getattr(args, name) is not None and not 0 <= getattr(args, name) < math.inf:
             raise InputError(f"--{name} {getattr(args, name)} must be a finite number >= 0")
-    for name in ("adam_beta2", "normuon_beta2"):
-        if not 0 <= getattr(args, name) < 1:
-            raise InputError(f"--{name} {getattr(args, name)} must be in [0, 1) (e.g. 0.95)")
+    if not 0 <= args.normuon_beta2 < 1:
+        raise InputError(f"--normuon_beta2 {args.normuon_beta2} must be in [0, 1) (e.g. 0.95; 0: off)")
     if not 0 <= args.cautious_weight_decay < math.inf:
         raise InputError(f"--cautious_weight_decay {args.cautious_weight_decay} must be a finite number >= 0 "
                          "(e.g. 1.2; 0: off)")
@@ -1507,7 +1504,7 @@ def muon_params(model: GPT) -> list[nn.Parameter]:
 
 def make_optimizer(model: GPT, args, device: torch.device, compiled: bool = False) -> Optimizers:
     """The optimizers of args.optimizer; compiled: Muon's update is compiled too."""
-    adamw = dict(betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay, fused=device.type == "cuda")
+    adamw = dict(betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
     if args.optimizer == "adamw":
         # NoCap: one AdamW group over every parameter, weight decay included on embeddings.
         return Optimizers([torch.optim.AdamW(model.parameters(), lr=args.learning_rate, **adamw)])
