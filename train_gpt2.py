@@ -29,7 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -82,6 +82,14 @@ def _parse_save_every(text: str) -> str:
     return text
 
 
+def _parse_val_every(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: pass a step count (0: only at the end) or auto")
+    return int(text)
+
+
 def _parse_val_rows(text: str) -> int | str:
     if text == "train":
         return text
@@ -97,10 +105,10 @@ def add_model_flags(parser: argparse.ArgumentParser, model: str = "d12"):
     shown = model if model in VARIANTS else "d12"
     g = parser.add_argument_group("model", f"--model's fields, each changed by its flag (shown: {shown}'s)")
     g.add_argument("--model", default="d12", help="a registered variant (see --list_models)")
-    for field in config_fields():
-        kind = _parse_bool if field.type is bool else field.type
-        g.add_argument(f"--{field.name}", type=kind, default=None,
-                       help=f"{field.metadata['help']} ({shown}: {getattr(VARIANTS[shown], field.name)!r})")
+    for knob in config_fields():
+        kind = _parse_bool if knob.type is bool else knob.type
+        g.add_argument(f"--{knob.name}", type=kind, default=None,
+                       help=f"{knob.metadata['help']} ({shown}: {getattr(VARIANTS[shown], knob.name)!r})")
 
 
 def build_parser(model: str = "d12") -> argparse.ArgumentParser:
@@ -210,7 +218,9 @@ def add_schedule_flags(g):
 
 def add_evaluation_flags(p: argparse.ArgumentParser):
     g = p.add_argument_group("evaluation")
-    g.add_argument("--val_loss_every", type=int, default=128, help="evaluate every N steps (0: only at the end)")
+    g.add_argument("--val_loss_every", type=_parse_val_every, default=128,
+                   help="evaluate every N steps (0: only at the end); auto: sparse far from --target_val_loss and "
+                        "dense near it (next_evaluation)")
     g.add_argument("--val_batch_size", type=int, default=16, help="validation rows per batch per GPU")
     g.add_argument("--val_sequence_length", type=_parse_val_rows, default=None,
                    help="tokens per validation row (default: NoCap's 1024, or --sequence_length if shorter), or "
@@ -291,7 +301,7 @@ def check_run_flags(args):
             raise InputError(f"--{name} {getattr(args, name)} must be >= 1")
     if not 0 <= args.lr_floor <= 1:
         raise InputError(f"--lr_floor {args.lr_floor} must be a fraction of the peak, between 0 and 1")
-    for name in ("warmup_iters", "warmdown_iters", "val_loss_every", "overtime_steps"):
+    for name in ("warmup_iters", "warmdown_iters", "overtime_steps"):
         if getattr(args, name) < 0:
             raise InputError(f"--{name} {getattr(args, name)} must be >= 0")
     if args.lr_schedule == "trapezoid" and args.warmup_iters + args.warmdown_iters > args.num_iterations:
@@ -332,6 +342,9 @@ def check_run_flags(args):
     if overtime_applies(args) and args.lr_floor == 0:
         raise InputError(f"--overtime_steps {args.overtime_steps} trains at the schedule's final learning rate, "
                          "--lr_floor x the peak, which is 0; pass --lr_floor > 0 (e.g. 0.1) or --overtime_steps 0")
+    if args.val_loss_every == "auto" and args.target_val_loss <= 0:
+        raise InputError("--val_loss_every auto spaces evaluations by the distance to --target_val_loss; pass a "
+                         "target > 0, or a step count")
     if overtime_applies(args) and args.val_loss_every == 0:
         raise InputError(f"--overtime_steps {args.overtime_steps} stops at the first evaluation under the target; "
                          "pass --val_loss_every > 0")
@@ -2264,6 +2277,7 @@ class Run:
     start_step: int = 0
     train_time_s: float = 0.0  # optimizer steps only, carried over a resume
     resumed_evaluation: float | None = None  # the val loss logged at the resumed checkpoint's step
+    evaluations: list = field(default_factory=list)  # (step, val loss) of each evaluation so far, a resumed run's too
     resumed_from: str | None = None  # the checkpoint's path
 
     @property
@@ -2371,6 +2385,9 @@ def resume_from(path: str, run: Run) -> list[dict]:
             notice(f"{metrics}: its last line was torn (a kill or a full disk mid-write); left out")
         records = [record for record in records if record.get("step", 0) <= step]  # the rest trains again
     logged = [r for r in records if r.get("step") == step and "val_loss" in r]
+    # --val_loss_every auto plans from them; a checkpoint from before they were kept has its run's metrics.
+    run.evaluations = [tuple(e) for e in ckpt.get("evaluations", [[r["step"], r["val_loss"]] for r in records
+                                                                  if "val_loss" in r])]
     if ckpt["evaluated"] and logged:  # a stop rule judges that evaluation on resuming as it would have
         run.resumed_evaluation = logged[-1]["val_loss"]
     return records
@@ -2584,6 +2601,7 @@ def save_checkpoint(run: Run, step: int, evaluated: bool):
     state = dict(
         format=CHECKPOINT_FORMAT, model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
         step=step, batches_drawn=run.train_loader.batches_drawn, train_time_s=run.train_time_s, evaluated=evaluated,
+        evaluations=[[s, loss] for s, loss in run.evaluations],
         rng_cpu=torch.get_rng_state(), rng_cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         **run.layout)
     state["digest"] = state_digest(state)
@@ -2641,7 +2659,58 @@ def evaluate_and_record(run: Run, step: int, stop: StopSignal) -> tuple[float | 
     if val_loss is not None:
         run.log.record(step=step, tokens=run.tokens_through(step), val_loss=val_loss, train_time_s=run.train_time_s,
                        eval_s=eval_s)
+        run.evaluations.append((step, val_loss))
     return val_loss, eval_s
+
+
+# --val_loss_every auto, in fractions of the schedule: the first evaluation; the longest gap, so that the plan is
+# never long stale; the shortest, which bounds how far past the target a run stops (0.4% of the schedule).
+AUTO_EVAL_FIRST, AUTO_EVAL_FARTHEST, AUTO_EVAL_CLOSEST = 1 / 32, 1 / 8, 1 / 256
+
+
+def evaluation_due(run: Run, step: int) -> bool:
+    """Whether --val_loss_every asks for an evaluation at `step` (the schedule's end and the last step always
+    get one)."""
+    every = run.args.val_loss_every
+    if every == "auto":
+        return step == next_evaluation(run.evaluations, run.args.target_val_loss, run.args.num_iterations)
+    return every > 0 and step % every == 0
+
+
+def next_evaluation(evaluations: list, target: float, num_iterations: int) -> int:
+    """--val_loss_every auto: the step of the next evaluation after `evaluations` ((step, val loss), in order):
+    60% of the way to where the chord reaches the target (chord_crossing; the loss falls faster than the chord as
+    the learning rate decays, so it reads the crossing late), within the closest and farthest gaps. A function of
+    the evaluations alone: a resumed run keeps the plan."""
+    closest = max(1, round(num_iterations * AUTO_EVAL_CLOSEST))
+    farthest = max(closest, round(num_iterations * AUTO_EVAL_FARTHEST))
+    if not evaluations:
+        return max(1, round(num_iterations * AUTO_EVAL_FIRST))  # step 0's loss says nothing about the target
+    last, crossing = evaluations[-1][0], chord_crossing(evaluations, target)
+    gap = farthest if crossing is None else 0.6 * (crossing - last)
+    return last + min(farthest, max(closest, round(gap)))
+
+
+def chord_crossing(evaluations: list, target: float) -> float | None:
+    """The step where the chord from the first evaluation after step 0 to the last, in loss against log step,
+    reaches the target (the last step where the loss is at or under it); None where the chord does not fall.
+    A long chord, so that one noisy evaluation moves it little."""
+    (s0, l0), (s1, l1) = next((e for e in evaluations if e[0] > 0), evaluations[-1]), evaluations[-1]
+    if not (0 < s0 < s1 and l0 > l1):
+        return None
+    drop = (l0 - l1) / math.log(s1 / s0)  # loss per e-fold of steps
+    return s1 * math.exp(min(50.0, max(0.0, l1 - target) / drop))
+
+
+def plan_text(run: Run) -> str:
+    """The val line's account of --val_loss_every auto's plan ("" for a fixed cadence)."""
+    args = run.args
+    if args.val_loss_every != "auto" or not run.evaluations:
+        return ""
+    crossing = chord_crossing(run.evaluations, args.target_val_loss)
+    step = next_evaluation(run.evaluations, args.target_val_loss, args.num_iterations)
+    reads = "" if crossing is None else f" (the curve reaches {args.target_val_loss} near step {crossing:,.0f})"
+    return f" | plan: next evaluation at step {step}{reads}"
 
 
 def timed_step(run: Run, step: int) -> tuple[float, torch.Tensor, dict, float]:
@@ -2672,7 +2741,8 @@ def overtime_after(args, val_loss: float, emit) -> int:
         emit(f"notice: {ended}; --overtime_steps N would train on until it is reached")
         return 0
     emit(f"notice: {ended}; training on at the final learning rate for up to {args.overtime_steps} more steps, "
-         f"evaluating every {args.val_loss_every}")
+         "evaluating " + ("as the loss nears the target" if args.val_loss_every == "auto"
+                                 else f"every {args.val_loss_every}"))
     return args.overtime_steps
 
 
@@ -2773,7 +2843,7 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
             save_checkpoint(run, step, evaluated=False)
             break
         last_step, evaluated = step == final_step, False
-        due = last_step or step == scheduled_end or (args.val_loss_every > 0 and step % args.val_loss_every == 0)
+        due = last_step or step == scheduled_end or evaluation_due(run, step)
         result = run.resumed_evaluation if step == run.start_step else None  # judged again, not run again
         if due and result is None:
             result, eval_s = evaluate_and_record(run, step, stop)
@@ -2785,7 +2855,8 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
             reached, evaluated = 0 < args.target_val_loss and val_loss <= args.target_val_loss, True
             extends = step == scheduled_end and args.target_val_loss > 0 and overtime_applies(args)  # into overtime
             nocap_rows = score_nocap_rows(run, step, outcome) if reached or last_step and not extends else ""
-            emit(f"step:{step}/{final_step} | val loss {val_loss:.6f}{nocap_rows} | train_time {run.train_time_s:.1f}s")
+            emit(f"step:{step}/{final_step} | val loss {val_loss:.6f}{nocap_rows} | train_time {run.train_time_s:.1f}s"
+                 + ("" if reached else plan_text(run)))
             if reached:
                 outcome.status = "reached_target"
                 break
@@ -2795,8 +2866,7 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
                 if progress is not None:
                     progress.total = final_step
         if last_step:
-            if args.target_val_loss > 0:
-                report_missed_target(args, outcome, step - scheduled_end, emit)
+            report_missed_target(args, outcome, step - scheduled_end, emit)
             break
         if step > run.start_step and (minutes_due or (save_steps and step % save_steps == 0)):
             save_checkpoint(run, step, evaluated)
@@ -2834,7 +2904,10 @@ def progress_bar(run: Run, final_step: int):
 
 
 def report_missed_target(args, outcome: Outcome, overtime: int, emit):
-    """The run ended above --target_val_loss: its status, and a notice if even its overtime steps fell short."""
+    """The run ended above --target_val_loss (if it has one): its status, and a notice if even its overtime steps
+    fell short."""
+    if args.target_val_loss <= 0:
+        return
     outcome.status = "missed_target"
     if overtime > 0:
         emit(f"notice: {overtime} overtime steps ended at val loss {outcome.final_val_loss:.4f}, still above "
@@ -2943,7 +3016,7 @@ def resized_schedule(defaults: dict, steps: int, given: set[str]) -> dict:
     its fraction of the run (an evaluation interval at least 1); those given on the command line keep theirs."""
     scale = steps / defaults["num_iterations"]
     resized = {flag: round(defaults[flag] * scale) for flag in SCHEDULE_STEP_FLAGS
-               if defaults[flag] and flag not in given}
+               if isinstance(defaults[flag], int) and defaults[flag] and flag not in given}
     if "val_loss_every" in resized:
         resized["val_loss_every"] = max(1, resized["val_loss_every"])
     return resized

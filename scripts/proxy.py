@@ -170,8 +170,10 @@ def parse_spec(protocol: Protocol, text: str, common: list[str] = ()) -> Spec:
         if budget_given and ("--num_iterations" in own or any(w.startswith("--num_iterations=") for w in own)):
             raise InputError(f"spec {text!r}: pass --budget or --num_iterations, not both")
         steps = max(1, round(budget / step_tokens))
-        for flag in STEP_FLAGS:  # the same fractions of the run, at the new length
+        for flag in STEP_FLAGS:  # the same fractions of the run, at the new length ("auto" is one already)
             value = getattr(args, flag)
+            if not isinstance(value, int):
+                continue
             scaled = round(value * steps / args.num_iterations)
             schedule[flag] = max(1, scaled) if flag == "val_loss_every" and value > 0 else min(scaled, steps)
         schedule["num_iterations"] = steps

@@ -3,7 +3,8 @@
 # d12_fast's recipe (model_variants.RECIPES) is 10,000 steps of 65,536 tokens (0.66B tokens) plus up to 5,000
 # overtime steps at the final learning rate if the schedule ends above the target; the run stops at the first
 # evaluation at or under it, scored on rows of 4096 tokens of NoCap's validation tokens (NoCap's 1024-token rows
-# are scored and logged beside them). Extra flags are passed on (e.g. --batch_size 8 on a card with less memory:
+# are scored where it stops). Evaluations follow the loss curve (--val_loss_every auto): sparse far from the
+# target, dense near it. Extra flags are passed on (e.g. --batch_size 8 on a card with less memory:
 # two micro-batches, the same tokens per step and the same training); flags that lengthen the run read past the
 # downloaded shards (the trainer says so), so fetch more first: python data/fineweb.py -n N.
 set -euo pipefail
@@ -15,4 +16,4 @@ print(math.ceil((r['num_iterations'] + r['overtime_steps']) * r['total_batch_siz
 bash scripts/setup.sh "$shards"
 exec bash scripts/train.sh --model d12_fast \
   --input_bin "data/fineweb10B/fineweb_train_*.bin" --input_val_bin "data/fineweb10B/fineweb_val_*.bin" \
-  --output_dir logs "$@"
+  --val_loss_every auto --output_dir logs "$@"

@@ -54,6 +54,9 @@ def test_budget_keeps_the_schedules_shape():
     assert (spec.name, spec.steps, spec.tokens_per_step) == ("big", 76, 262_144)
     assert (args["warmdown_iters"], args["muon_momentum_warmup"], args["val_loss_every"]) == (76, 11, 2)
     assert args["optimizer"] == "muon" and args["lr_floor"] == 0.1  # the rest of the recipe stays
+    # An evaluation cadence planned from the curve is already a fraction of the run: it stays as given.
+    _, args = trainer_view("P100", "d12_fast --budget 40M --target_val_loss 4.9468 --val_loss_every auto")
+    assert (args["val_loss_every"], args["num_iterations"], args["warmdown_iters"]) == ("auto", 610, 610)
     # no coordinate-descent tuning (compile time only), but a recipe's own tuning stays
     assert (args["compile_tuning"], trainer_view("P100", "d12")[1]["compile_tuning"]) == ("combo_kernels", "none")
 

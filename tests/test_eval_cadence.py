@@ -1,0 +1,84 @@
+"""--val_loss_every auto: evaluations sparse far from the target and dense near it, planned from the
+evaluations alone (so a resumed run keeps the plan)."""
+import json
+import math
+
+import pytest
+from conftest import make_shards, read_metrics, tiny_run_args
+
+from train_gpt2 import AUTO_EVAL_CLOSEST, AUTO_EVAL_FARTHEST, AUTO_EVAL_FIRST, chord_crossing, main, next_evaluation
+
+
+def test_the_first_evaluation_comes_early_and_a_flat_curve_gets_the_longest_gap():
+    assert next_evaluation([], target=3.0, num_iterations=1000) == round(1000 * AUTO_EVAL_FIRST) == 31
+    farthest = 1000 * AUTO_EVAL_FARTHEST
+    assert next_evaluation([(31, 5.0)], 3.0, 1000) == 31 + farthest  # one point gives no trend
+    assert next_evaluation([(31, 5.0), (156, 5.0)], 3.0, 1000) == 156 + farthest  # not falling: no crossing
+    assert next_evaluation([(31, 5.0), (156, 5.1)], 3.0, 1000) == 156 + farthest
+
+
+def test_the_next_evaluation_goes_60_percent_of_the_way_to_the_chords_crossing():
+    # Loss 5 at step 100 and 4 at 200: the chord, linear in log step, meets the target 3.0 at step 400.
+    assert next_evaluation([(100, 5.0), (200, 4.0)], target=3.0, num_iterations=10_000) == 200 + 120
+    # The chord runs from the first evaluation (step 0's left out), not from the one before the last.
+    assert next_evaluation([(0, 11.0), (100, 5.0), (150, 4.9), (200, 4.0)], 3.0, 10_000) == 320
+    # The gap stays within the closest and the farthest.
+    closest, farthest = round(10_000 * AUTO_EVAL_CLOSEST), round(10_000 * AUTO_EVAL_FARTHEST)
+    assert next_evaluation([(100, 5.0), (200, 3.001)], 3.0, 10_000) == 200 + closest
+    assert next_evaluation([(100, 5.0), (200, 4.999)], 3.0, 10_000) == 200 + farthest
+    # At or below the target already (overtime's evaluations at the schedule's end, say): the closest.
+    assert next_evaluation([(100, 5.0), (200, 2.0)], 3.0, 10_000) == 200 + closest
+
+
+@pytest.mark.parametrize("bend", [0.0, 0.3])
+def test_on_a_falling_curve_few_evaluations_find_the_crossing_soon_after_it(bend):
+    # A loss linear in log steps, bent down at the end by a decaying learning rate (bend): it crosses 3.3821
+    # at step 7,000 of 10,000. The fixed cadence of 312 steps takes 23 evaluations to see it.
+    def loss(step):
+        return 3.3821 + 0.6 * math.log(7000 / step) - bend * (step / 10_000) ** 2 + bend * 0.49
+
+    crossing = next(s for s in range(1, 10_001) if loss(s) <= 3.3821)
+    evaluations = []
+    while not evaluations or evaluations[-1][1] > 3.3821:
+        step = next_evaluation(evaluations, 3.3821, 10_000)
+        evaluations.append((step, loss(step)))
+    assert evaluations[-1][0] - crossing <= 10_000 * AUTO_EVAL_CLOSEST + 1
+    assert len(evaluations) <= 12 < crossing // 312
+
+
+def run_auto(capsys, tmp_path, name, *extra):
+    shards = make_shards(tmp_path / "cyclic", cyclic=True)  # a learnable run that reaches the target
+    argv = tiny_run_args(shards, tmp_path, name, "--num_iterations", "40", "--warmdown_iters", "20",
+                         "--val_loss_every", "auto", "--target_val_loss", "0.5", *extra)
+    code = main(argv)
+    evaluations = [(r["step"], r["val_loss"]) for r in read_metrics(tmp_path / name) if "val_loss" in r]
+    return code, evaluations, capsys.readouterr().out
+
+
+def test_a_run_evaluates_where_the_plan_says_and_a_resumed_run_keeps_the_plan(tmp_path, capsys, monkeypatch):
+    import train_gpt2
+    monkeypatch.setattr(train_gpt2.os, "remove", lambda path: None)  # keep every checkpoint around
+    code, straight, out = run_auto(capsys, tmp_path, "straight", "--save_every", "12")
+    assert code == 0 and straight[-1][1] <= 0.5 and straight[0][0] == 1  # none at step 0
+    for i, (step, _) in enumerate(straight):  # each where the evaluations before it put it
+        assert step == next_evaluation(straight[:i], 0.5, 40)
+    assert json.loads((tmp_path / "straight" / "summary.json").read_text())["status"] == "reached_target"
+    # Each val line above the target says where the next evaluation is, and where the chord puts the crossing.
+    first = next(line for line in out.splitlines() if line.startswith(f"step:{straight[0][0]}/40 | val loss"))
+    assert first.endswith(f"| plan: next evaluation at step {straight[1][0]}")  # one point: no chord yet
+    second = next(line for line in out.splitlines() if line.startswith(f"step:{straight[1][0]}/40 | val loss"))
+    crossing = chord_crossing(straight[:2], 0.5)
+    assert second.endswith(f"| plan: next evaluation at step {straight[2][0]} (the curve reaches 0.5 near step "
+                           f"{crossing:,.0f})")
+    code, resumed, _ = run_auto(capsys, tmp_path, "resumed", "--resume", str(tmp_path / "straight" / "ckpt_000012.pt"))
+    assert code == 0 and resumed == [e for e in straight if e[0] > 12]  # its own directory logs those after 12
+
+
+def test_auto_needs_a_target(tmp_path, capsys):
+    shards = make_shards(tmp_path / "data")
+    assert main(tiny_run_args(shards, tmp_path, "run", "--val_loss_every", "auto")) == 2
+    assert "--val_loss_every auto spaces evaluations by the distance to --target_val_loss" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
+        main(tiny_run_args(shards, tmp_path, "run", "--val_loss_every", "often"))
+    assert exit.value.code == 2
+    assert "pass a step count (0: only at the end) or auto" in capsys.readouterr().err
