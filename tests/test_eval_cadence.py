@@ -74,6 +74,20 @@ def test_a_run_evaluates_where_the_plan_says_and_a_resumed_run_keeps_the_plan(tm
     assert code == 0 and resumed == [e for e in straight if e[0] > 12]  # its own directory logs those after 12
 
 
+def test_a_schedule_that_ends_above_the_target_trains_on_under_the_plan_until_it_is_reached(tmp_path, capsys):
+    # 6 steps end above 0.5; overtime evaluates where the plan says, then stops at the first evaluation under it.
+    code, evaluations, out = run_auto(capsys, tmp_path, "over", "--num_iterations", "6", "--warmdown_iters", "2",
+                                      "--lr_floor", "0.5", "--overtime_steps", "40")
+    assert code == 0 and "training on at the final learning rate" in out and "evaluating as the loss nears" in out
+    summary = json.loads((tmp_path / "over" / "summary.json").read_text())
+    assert summary["status"] == "reached_target" and summary["steps"] > 6
+    assert [loss <= 0.5 for _, loss in evaluations].index(True) == len(evaluations) - 1  # stops at the first
+    assert 6 in [step for step, _ in evaluations]  # the schedule's end is judged
+    for i, (step, _) in enumerate(evaluations):
+        if step != 6:
+            assert step == next_evaluation(evaluations[:i], 0.5, 6)
+
+
 def test_auto_needs_a_target(tmp_path, capsys):
     shards = make_shards(tmp_path / "data")
     assert main(tiny_run_args(shards, tmp_path, "run", "--val_loss_every", "auto")) == 2
