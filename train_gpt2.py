@@ -230,7 +230,7 @@ def add_evaluation_flags(p: argparse.ArgumentParser):
                    help="stop at the first evaluation at or below this (0 disables)")
     g.add_argument("--overtime_steps", type=int, default=0,
                    help="if the schedule ends above --target_val_loss, train on at its final learning rate for up "
-                        "to this many more steps, evaluating every --val_loss_every (0: stop where it ends)")
+                        "to this many more steps, evaluating as --val_loss_every says (0: stop where it ends)")
     g.add_argument("--val_dtype", choices=("fp32", "bf16"), default="fp32",
                    help="fp32: NoCap's protocol; bf16: autocast as in training, for sweeps (compare runs only "
                         "at the same setting)")
