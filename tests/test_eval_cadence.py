@@ -2,9 +2,12 @@
 evaluations alone (so a resumed run keeps the plan)."""
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
-from conftest import make_shards, read_metrics, tiny_run_args
+from conftest import REPO, make_shards, read_metrics, tiny_run_args
 
 from train_gpt2 import AUTO_EVAL_CLOSEST, AUTO_EVAL_FARTHEST, AUTO_EVAL_FIRST, chord_crossing, main, next_evaluation
 
@@ -86,6 +89,22 @@ def test_a_schedule_that_ends_above_the_target_trains_on_under_the_plan_until_it
     for i, (step, _) in enumerate(evaluations):
         if step != 6:
             assert step == next_evaluation(evaluations[:i], 0.5, 6)
+
+
+def test_two_gloo_processes_plan_the_same_evaluations(tmp_path):
+    # Every rank plans from the same all-reduced losses, so all evaluate at the same steps (else they would hang
+    # in the evaluation's all-reduce) and the run ends at the target.
+    shards = make_shards(tmp_path / "cyclic", cyclic=True)
+    argv = tiny_run_args(shards, tmp_path, "ddp", "--num_iterations", "24", "--warmdown_iters", "12",
+                         "--grad_accumulation_steps", "4", "--val_loss_every", "auto", "--target_val_loss", "0.5")
+    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(REPO / "train_gpt2.py"), *argv], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    evaluations = [(r["step"], r["val_loss"]) for r in read_metrics(tmp_path / "ddp") if "val_loss" in r]
+    assert len(evaluations) >= 3 and evaluations[-1][1] <= 0.5
+    for i, (step, _) in enumerate(evaluations):
+        assert step == next_evaluation(evaluations[:i], 0.5, 24)
 
 
 def test_auto_needs_a_target(tmp_path, capsys):
