@@ -259,7 +259,7 @@ RECIPES: dict[str, dict] = {
     # ~1% more tokens where the schedule is the right length.
     # 65,536 tokens per step (one micro-batch of 16 rows of 4096): half the tokens of 262,144 to the same loss, for 2%
     # fewer tokens/s. Muon's momentum warms up over the first 15% of the steps; evaluations every 312 steps
-    # (20.4M tokens), 32 a schedule.
+    # (20.4M tokens), 32 a schedule (speedrun.sh plans them from the curve instead: --val_loss_every auto).
     # muon_lr 0.03 and learning_rate 0.008 beat 1.5x up and down on P100; the other values follow the
     # modded-nanogpt lineage. The head, tied to the input embedding as in every variant, trains at learning_rate;
     # embed_lr is the value-embedding tables' (a flag, not the recipe's).
