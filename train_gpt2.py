@@ -2693,8 +2693,8 @@ def next_evaluation(evaluations: list, target: float, num_iterations: int) -> in
 
 def chord_crossing(evaluations: list, target: float) -> float | None:
     """The step where the chord from the first evaluation after step 0 to the last, in loss against log step,
-    reaches the target (the last step where the loss is at or under it); None where the chord does not fall.
-    A long chord, so that one noisy evaluation moves it little."""
+    reaches the target (the last evaluation's step if its loss is at or under it already); None where the chord
+    does not fall. A long chord, so that one noisy evaluation moves it little."""
     (s0, l0), (s1, l1) = next((e for e in evaluations if e[0] > 0), evaluations[-1]), evaluations[-1]
     if not (0 < s0 < s1 and l0 > l1):
         return None
