@@ -187,10 +187,18 @@ def add_schedule_flags(g):
     "optimization" group's second part)."""
     g.add_argument("--lr_floor", type=float, default=0.0,
                    help="the warmdown ends at this fraction of the peak learning rate (NoCap: 0)")
-    g.add_argument("--lr_schedule", choices=("trapezoid", "one_cycle"), default="trapezoid",
+    g.add_argument("--lr_schedule", choices=("trapezoid", "one_cycle", "target"), default="trapezoid",
                    help="trapezoid: NoCap's linear warmup, constant, linear warmdown; one_cycle: a cosine rise "
                         "from peak/25 over --warmup_iters, then a cosine fall to --lr_floor x peak at "
-                        "--num_iterations (torch's OneCycleLR; --warmdown_iters unused)")
+                        "--num_iterations (torch's OneCycleLR; --warmdown_iters unused); target: the trapezoid "
+                        "sized by the run, its warmdown (the same fraction of the run as --warmdown_iters of "
+                        "--num_iterations) starting at the first evaluation where the constant phase's curve says "
+                        "a warmdown started there ends at --target_val_loss; --num_iterations is the longest run")
+    g.add_argument("--cooldown_drop", type=float, default=0.15,
+                   help="--lr_schedule target: the loss a warmdown takes off the constant phase's curve extended "
+                        "by the warmdown's learning-rate area (P100 reads 0.20-0.30 for d12_fast's 25%% warmdown, "
+                        "0.13-0.20 for d12's 21.5%%; lower starts the warmdown later, crossing the target before "
+                        "it ends)")
     g.add_argument("--warmup_iters", type=int, default=256, help="linear warmup steps")
     g.add_argument("--warmdown_iters", type=int, default=1024, help="linear decay-to-zero steps at the end")
     g.add_argument("--layerdrop", type=float, default=0.0,
@@ -307,6 +315,8 @@ def check_run_flags(args):
     if args.lr_schedule == "trapezoid" and args.warmup_iters + args.warmdown_iters > args.num_iterations:
         raise InputError(f"--warmup_iters {args.warmup_iters} + --warmdown_iters {args.warmdown_iters} exceed "
                          f"--num_iterations {args.num_iterations}; shorten them or train longer")
+    if args.lr_schedule == "target":
+        check_target_schedule(args)
     if args.lr_schedule == "one_cycle" and not 0 < args.warmup_iters < args.num_iterations:
         raise InputError(f"--lr_schedule one_cycle rises over --warmup_iters steps ({args.warmup_iters}): pass "
                          f"a number between 1 and --num_iterations {args.num_iterations} - 1")
@@ -348,6 +358,17 @@ def check_run_flags(args):
     if overtime_applies(args) and args.val_loss_every == 0:
         raise InputError(f"--overtime_steps {args.overtime_steps} stops at the first evaluation under the target; "
                          "pass --val_loss_every > 0")
+
+
+def check_target_schedule(args):
+    if args.target_val_loss <= 0:
+        raise InputError("--lr_schedule target sizes the run to --target_val_loss; pass a target > 0")
+    if not 0 < args.warmdown_iters < args.num_iterations - args.warmup_iters:
+        raise InputError(f"--lr_schedule target needs a constant phase to read the curve from and a warmdown: "
+                         f"pass 0 < --warmdown_iters < --num_iterations - --warmup_iters (e.g. a quarter of "
+                         f"--num_iterations {args.num_iterations})")
+    if not 0 <= args.cooldown_drop < math.inf:
+        raise InputError(f"--cooldown_drop {args.cooldown_drop} must be a finite loss >= 0 (e.g. 0.15)")
 
 
 def check_doubling_flags(args, name: str, end_flag: str, end: int):
@@ -1561,31 +1582,33 @@ class StepSettings(NamedTuple):
     layerdrop: float  # LayerDrop's skip probability: --layerdrop falling linearly to 0 at --layerdrop_iters
 
 
-def schedule_at(step: int, args, config: GPTConfig) -> StepSettings:
+def schedule_at(step: int, args, config: GPTConfig, warmdown: tuple[int, int] | None = None) -> StepSettings:
     warmup, drop_iters = args.muon_momentum_warmup, args.layerdrop_iters
     return StepSettings(
-        lr_scale=lr_scale(step, args),
+        lr_scale=lr_scale(step, args, warmdown),
         muon_momentum=MUON_MOMENTUM if step >= warmup else 0.85 + (MUON_MOMENTUM - 0.85) * step / warmup,
         row_length=doubling_at(step, args.sequence_length, args.curriculum_iters),
         local_window=doubling_at(step, config.window, args.window_iters),
         layerdrop=args.layerdrop * (1 - step / drop_iters) if step < drop_iters else 0.0)
 
 
-def lr_scale(step: int, args) -> float:
+def lr_scale(step: int, args, warmdown: tuple[int, int] | None = None) -> float:
     """Step `step`'s learning rate as a multiple of each group's peak. trapezoid (NoCap's): linear warmup,
     constant, a linear warmdown over the last warmdown_iters steps to lr_floor (NoCap: 0), where it stays (in
-    overtime). one_cycle: torch's OneCycleLR, cosine from 1/25 to 1 at step warmup_iters - 1, then down to lr_floor
-    at step num_iterations - 1, where it stays."""
+    overtime); target: the trapezoid with the warmdown the run chose, `warmdown` = (its first step, its end), or
+    --num_iterations' until it chooses. one_cycle: torch's OneCycleLR, cosine from 1/25 to 1 at step
+    warmup_iters - 1, then down to lr_floor at step num_iterations - 1, where it stays."""
     if args.lr_schedule == "one_cycle":
         peak_step, last_step = args.warmup_iters - 1, args.num_iterations - 1
         if step <= peak_step:
             return cosine_between(1 / 25, 1.0, step / peak_step if peak_step else 1.0)
         return cosine_between(1.0, args.lr_floor, min(1.0, (step - peak_step) / (last_step - peak_step)))
+    start, end = warmdown or (args.num_iterations - args.warmdown_iters, args.num_iterations)
     if step < args.warmup_iters:
         return (step + 1) / args.warmup_iters
-    if step < args.num_iterations - args.warmdown_iters:
+    if step < start:
         return 1.0
-    return args.lr_floor + (1 - args.lr_floor) * max(0, args.num_iterations - step) / args.warmdown_iters
+    return args.lr_floor + (1 - args.lr_floor) * max(0, end - step) / (end - start) if step < end else args.lr_floor
 
 
 def cosine_between(start: float, end: float, fraction: float) -> float:
@@ -2278,6 +2301,9 @@ class Run:
     train_time_s: float = 0.0  # optimizer steps only, carried over a resume
     resumed_evaluation: float | None = None  # the val loss logged at the resumed checkpoint's step
     evaluations: list = field(default_factory=list)  # (step, val loss) of each evaluation so far, a resumed run's too
+    # --lr_schedule target: the latest prediction (WarmdownPlan), and the warmdown chosen (first step, end)
+    plan: "WarmdownPlan | None" = None
+    warmdown: tuple[int, int] | None = None
     resumed_from: str | None = None  # the checkpoint's path
 
     @property
@@ -2292,6 +2318,17 @@ class Run:
     def tokens_through(self, step: int) -> int:
         """Training tokens of the first `step` steps over all processes."""
         return step * self.tokens_per_step
+
+    @property
+    def schedule_end(self) -> int:
+        """The step the learning rate reaches its floor at: --num_iterations, or the chosen warmdown's end."""
+        return self.warmdown[1] if self.warmdown else self.args.num_iterations
+
+    def replan(self):
+        """--lr_schedule target, after an evaluation: predict again, and choose the warmdown if it is due."""
+        if self.args.lr_schedule == "target" and self.warmdown is None and self.evaluations:
+            self.plan = warmdown_plan(self.evaluations, self.args)
+            self.warmdown = chosen_warmdown(self.evaluations, self.args)
 
 
 def report_sampled_softmax(args, config: GPTConfig, loader: TokenLoader, log: RunLog):
@@ -2388,6 +2425,7 @@ def resume_from(path: str, run: Run) -> list[dict]:
     # --val_loss_every auto plans from them; a checkpoint from before they were kept has its run's metrics.
     run.evaluations = [tuple(e) for e in ckpt.get("evaluations", [[r["step"], r["val_loss"]] for r in records
                                                                   if "val_loss" in r])]
+    run.replan()
     if ckpt["evaluated"] and logged:  # a stop rule judges that evaluation on resuming as it would have
         run.resumed_evaluation = logged[-1]["val_loss"]
     return records
@@ -2660,6 +2698,7 @@ def evaluate_and_record(run: Run, step: int, stop: StopSignal) -> tuple[float | 
         run.log.record(step=step, tokens=run.tokens_through(step), val_loss=val_loss, train_time_s=run.train_time_s,
                        eval_s=eval_s)
         run.evaluations.append((step, val_loss))
+        run.replan()
     return val_loss, eval_s
 
 
@@ -2673,20 +2712,33 @@ def evaluation_due(run: Run, step: int) -> bool:
     get one)."""
     every = run.args.val_loss_every
     if every == "auto":
-        return step == next_evaluation(run.evaluations, run.args.target_val_loss, run.args.num_iterations)
+        return step == next_evaluation(run.evaluations, run.args.target_val_loss, run.args.num_iterations,
+                                       evaluation_aim(run))
     return every > 0 and step % every == 0
 
 
-def next_evaluation(evaluations: list, target: float, num_iterations: int) -> int:
+def evaluation_aim(run: Run) -> float | None:
+    """--lr_schedule target: the step an evaluation should land near, the planned warmdown start until it is
+    chosen, and then the chord's crossing or the warmdown's end, whichever comes first (None: not this schedule)."""
+    if run.args.lr_schedule != "target" or not run.evaluations:
+        return None
+    if run.warmdown is None:  # without a fit yet, come back soon: the fit needs four points
+        last, cap = run.evaluations[-1][0], run.args.num_iterations
+        return last + cap * AUTO_EVAL_FIRST if run.plan is None else min(run.plan.start, cap)
+    crossing = chord_crossing(run.evaluations, run.args.target_val_loss)
+    return run.warmdown[1] if crossing is None else min(crossing, run.warmdown[1])
+
+
+def next_evaluation(evaluations: list, target: float, num_iterations: int, aim: float | None = None) -> int:
     """--val_loss_every auto: the step of the next evaluation after `evaluations` ((step, val loss), in order):
     60% of the way to where the chord reaches the target (chord_crossing; the loss falls faster than the chord as
-    the learning rate decays, so it reads the crossing late), within the closest and farthest gaps. A function of
-    the evaluations alone: a resumed run keeps the plan."""
+    the learning rate decays, so it reads the crossing late) or to `aim` where given, within the closest and
+    farthest gaps. A function of the evaluations alone: a resumed run keeps the plan."""
     closest = max(1, round(num_iterations * AUTO_EVAL_CLOSEST))
     farthest = max(closest, round(num_iterations * AUTO_EVAL_FARTHEST))
     if not evaluations:
         return max(1, round(num_iterations * AUTO_EVAL_FIRST))  # step 0's loss says nothing about the target
-    last, crossing = evaluations[-1][0], chord_crossing(evaluations, target)
+    last, crossing = evaluations[-1][0], aim if aim is not None else chord_crossing(evaluations, target)
     gap = farthest if crossing is None else 0.6 * (crossing - last)
     return last + min(farthest, max(closest, round(gap)))
 
@@ -2702,22 +2754,118 @@ def chord_crossing(evaluations: list, target: float) -> float | None:
     return s1 * math.exp(min(50.0, max(0.0, l1 - target) / drop))
 
 
+# --lr_schedule target. The constant phase's curve is fitted as loss = floor + scale * area^-exponent against the
+# learning rate's area (steps at the peak); a warmdown adds its own area and takes --cooldown_drop off the curve
+# there (Tissue et al. 2024: the loss falls with the lr's area and with its annealing, whose gain saturates over a
+# warmdown of many steps). The exponent comes from a grid, so that the fit is cheap and deterministic.
+STABLE_FIT_EXPONENTS = tuple(i / 20 for i in range(1, 31))  # 0.05 .. 1.5
+
+
+def stable_fit(points: list) -> tuple[float, float, float] | None:
+    """Least squares of loss = floor + scale * area^-exponent over (area, loss) points: (floor, scale, exponent),
+    or None with fewer than four points or no falling fit."""
+    if len(points) < 4:
+        return None
+    area = torch.tensor([p[0] for p in points], dtype=torch.float64)
+    loss = torch.tensor([p[1] for p in points], dtype=torch.float64)
+    best = None
+    for exponent in STABLE_FIT_EXPONENTS:
+        X = torch.stack([torch.ones_like(area), area ** -exponent], dim=1)
+        coef = torch.linalg.lstsq(X, loss.unsqueeze(1)).solution.squeeze(1)
+        error = float(((X @ coef - loss) ** 2).sum())
+        if coef[1] > 0 and (best is None or error < best[0]):
+            best = (error, float(coef[0]), float(coef[1]), exponent)
+    return None if best is None else best[1:]
+
+
+def warmdown_steps(start: int, args) -> int:
+    """--lr_schedule target: the warmdown from step `start`, the fraction of the run --warmdown_iters is of
+    --num_iterations."""
+    fraction = args.warmdown_iters / args.num_iterations
+    return max(1, round(start * fraction / (1 - fraction)))
+
+
+def lr_area(step: int, args) -> float:
+    """The learning rate's sum over the first `step` steps of the constant phase's schedule, in peak steps."""
+    warmup = args.warmup_iters
+    return step - warmup / 2 if step >= warmup else step * step / (2 * warmup)
+
+
+class WarmdownPlan(NamedTuple):
+    """--lr_schedule target after an evaluation: where a warmdown started at the last evaluation would end."""
+    fit: tuple[float, float, float]  # the constant phase's curve (stable_fit)
+    predicted: float  # the loss a warmdown started at the last evaluation ends at
+    start: float  # the step the prediction reaches the target at (inf: not within --num_iterations)
+
+
+def warmdown_plan(evaluations: list, args) -> WarmdownPlan | None:
+    """The prediction from the constant phase's evaluations so far (from a quarter of the last one's step on,
+    after the warmup); None with too few of them. A warmdown started at step s ends at the curve's loss at
+    s's area plus the warmdown's, less --cooldown_drop."""
+    last, latest = evaluations[-1][0], args.num_iterations - args.warmdown_iters  # the fixed schedule's warmdown
+    if last >= latest:
+        return None
+    points = [(lr_area(s, args), loss) for s, loss in evaluations if s >= max(args.warmup_iters, last / 4, 1)]
+    fit = stable_fit(points)
+    if fit is None:
+        return None
+    floor, scale, exponent = fit
+
+    def ends_at(s: float) -> float:
+        area = lr_area(s, args) + warmdown_steps(round(s), args) * (1 + args.lr_floor) / 2
+        return floor + scale * area ** -exponent - args.cooldown_drop
+
+    start = math.inf
+    if ends_at(latest) <= args.target_val_loss:
+        lo, hi = 1.0, float(latest)
+        while hi - lo > 0.5:  # the prediction falls with the step
+            lo, hi = (lo, (lo + hi) / 2) if ends_at((lo + hi) / 2) <= args.target_val_loss else ((lo + hi) / 2, hi)
+        start = hi
+    return WarmdownPlan(fit, ends_at(last), start)
+
+
+def chosen_warmdown(evaluations: list, args) -> tuple[int, int] | None:
+    """--lr_schedule target: (first step, end) of the warmdown the evaluations choose: it starts at the first
+    evaluation of the constant phase whose prediction reaches the target; None while none has. A function of the
+    evaluations alone, so that a resumed run keeps the plan."""
+    latest = args.num_iterations - args.warmdown_iters
+    for i, (step, _) in enumerate(evaluations):
+        if step >= latest:
+            break
+        plan = warmdown_plan(evaluations[:i + 1], args)
+        if plan is not None and plan.start <= step:
+            return step, step + warmdown_steps(step, args)
+    return None
+
+
 def plan_text(run: Run) -> str:
-    """The val line's account of --val_loss_every auto's plan ("" for a fixed cadence)."""
-    args = run.args
-    if args.val_loss_every != "auto" or not run.evaluations:
-        return ""
-    crossing = chord_crossing(run.evaluations, args.target_val_loss)
-    step = next_evaluation(run.evaluations, args.target_val_loss, args.num_iterations)
-    reads = "" if crossing is None else f" (the curve reaches {args.target_val_loss} near step {crossing:,.0f})"
-    return f" | plan: next evaluation at step {step}{reads}"
+    """The val line's account of the plans: --lr_schedule target's prediction until it chooses the warmdown,
+    --val_loss_every auto's next evaluation ("" for neither)."""
+    args, parts = run.args, []
+    if run.plan is not None and run.warmdown is None:
+        start = "not within --num_iterations" if math.isinf(run.plan.start) else f"near step {run.plan.start:,.0f}"
+        parts.append(f"a warmdown from here would end near {run.plan.predicted:.4f}; one that ends at the target "
+                     f"starts {start}")
+    if args.val_loss_every == "auto" and run.evaluations:
+        crossing = chord_crossing(run.evaluations, args.target_val_loss)
+        step = next_evaluation(run.evaluations, args.target_val_loss, args.num_iterations, evaluation_aim(run))
+        reads = "" if crossing is None else f" (the curve reaches {args.target_val_loss} near step {crossing:,.0f})"
+        parts.append(f"next evaluation at step {step}{reads}")
+    return " | plan: " + "; ".join(parts) if parts else ""
+
+
+def warmdown_chosen_text(run: Run) -> str:
+    start, end = run.warmdown
+    return (f"plan: the warmdown starts now, at step {start}, and ends at step {end} "
+            f"({run.tokens_through(end):,} tokens), predicted to end near {run.plan.predicted:.4f} against the "
+            f"target {run.args.target_val_loss}")
 
 
 def timed_step(run: Run, step: int) -> tuple[float, torch.Tensor, dict, float]:
     """Optimizer step number step + 1 at the schedule's learning rate and momentum, timed between two device
     synchronizations: (seconds, mean loss, auxiliary terms, the logged learning rate)."""
     args = run.args
-    settings = schedule_at(step, args, run.config)
+    settings = schedule_at(step, args, run.config, run.warmdown)
     if args.optimizer == "muon":
         run.optimizer.set_momentum(settings.muon_momentum)
     synchronize(run.env.device)
@@ -2732,10 +2880,10 @@ def timed_step(run: Run, step: int) -> tuple[float, torch.Tensor, dict, float]:
     return step_s, step_loss, aux, args.learning_rate * settings.lr_scale  # logged: the AdamW peak times the schedule
 
 
-def overtime_after(args, val_loss: float, emit) -> int:
-    """The schedule ended at val_loss, above the target: say so, and return how many more steps may train
-    (--overtime_steps; 0 without it)."""
-    ended = (f"the schedule's {args.num_iterations} steps ended at val loss {val_loss:.4f}, above the target "
+def overtime_after(args, end: int, val_loss: float, emit) -> int:
+    """The schedule ended at step `end` at val_loss, above the target: say so, and return how many more steps
+    may train (--overtime_steps; 0 without it)."""
+    ended = (f"the schedule's {end} steps ended at val loss {val_loss:.4f}, above the target "
              f"{args.target_val_loss}")
     if not overtime_applies(args):
         emit(f"notice: {ended}; --overtime_steps N would train on until it is reached")
@@ -2827,9 +2975,8 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
     args, env = run.args, run.env
     # A schedule that ends above the target trains on for up to --overtime_steps more steps; a run resumed
     # past its schedule's end is in that overtime (a run that had reached the target would have finished).
-    scheduled_end = args.num_iterations
-    in_overtime = overtime_applies(args) and run.start_step >= scheduled_end
-    final_step = scheduled_end + (args.overtime_steps if in_overtime else 0)
+    scheduled_end = run.schedule_end
+    final_step = scheduled_end + args.overtime_steps * (overtime_applies(args) and run.start_step >= scheduled_end)
     progress = progress_bar(run, final_step)
     emit = progress.write if progress is not None else run.log.print
     step, last_save = run.start_step, time.monotonic()
@@ -2838,9 +2985,7 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
         minutes_due = 0 < save_minutes <= (time.monotonic() - last_save) / 60
         signum, minutes_due = agree(env, stop.signum, int(minutes_due))  # every rank acts at the same step
         if signum:
-            outcome.status = "interrupted"
-            emit(f"received signal {signum}: checkpointing at step {step} and stopping")
-            save_checkpoint(run, step, evaluated=False)
+            checkpoint_and_stop(run, outcome, step, signum, emit)
             break
         last_step, evaluated = step == final_step, False
         due = last_step or step == scheduled_end or evaluation_due(run, step)
@@ -2860,11 +3005,14 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
             if reached:
                 outcome.status = "reached_target"
                 break
+            if scheduled_end != run.schedule_end:  # --lr_schedule target chose its warmdown just now
+                emit(warmdown_chosen_text(run))
+                scheduled_end = final_step = run.schedule_end
             if step == scheduled_end and args.target_val_loss > 0:  # the schedule ended above the target
-                final_step = scheduled_end + overtime_after(args, val_loss, emit)
+                final_step = scheduled_end + overtime_after(args, scheduled_end, val_loss, emit)
                 last_step = step == final_step
-                if progress is not None:
-                    progress.total = final_step
+            if progress is not None:
+                progress.total = final_step
         if last_step:
             report_missed_target(args, outcome, step - scheduled_end, emit)
             break
@@ -2881,6 +3029,13 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
         save_checkpoint(run, step, evaluated)
     if progress is not None:
         progress.close()
+
+
+def checkpoint_and_stop(run: Run, outcome: Outcome, step: int, signum: int, emit):
+    """A signal arrived: checkpoint where the run stands and say so."""
+    outcome.status = "interrupted"
+    emit(f"received signal {signum}: checkpointing at step {step} and stopping")
+    save_checkpoint(run, step, evaluated=False)
 
 
 def checkpoint_interval(save_every: str) -> tuple[int, float]:
@@ -2919,7 +3074,7 @@ def record_step(run: Run, meter: StepMeter, step: int, trained: tuple, final_ste
     metrics.jsonl, the progress bar or a line, and the eta once the step time has settled. Returns its loss."""
     args = run.args
     step_s, step_loss, aux, lr = trained
-    settings = schedule_at(step, args, run.config)
+    settings = schedule_at(step, args, run.config, run.warmdown)
     tokens_per_s, mfu = meter.step(step_s, settings.row_length, settings.local_window, args.sampled_softmax)
     done = step + 1
     if len(meter.step_seconds) == 10 and done < final_step:  # once the step time has settled
@@ -2945,13 +3100,15 @@ def finish(run: Run, outcome: Outcome, meter: StepMeter | None, wall_start: floa
     summary = dict(
         status=outcome.status, reached_target=outcome.status == "reached_target", target_val_loss=args.target_val_loss,
         final_val_loss=outcome.final_val_loss, steps=outcome.step,
-        overtime_steps=max(0, outcome.step - args.num_iterations), tokens=run.tokens_through(outcome.step),
+        overtime_steps=max(0, outcome.step - run.schedule_end), tokens=run.tokens_through(outcome.step),
         train_time_s=run.train_time_s, compile_s=outcome.compile_s, eval_time_s=outcome.eval_time_s,
         wall_time_s=time.perf_counter() - wall_start, tokens_per_s=tokens_per_s,
         mfu=meter.steady_mfu() if meter is not None else None,
         peak_mem_mib=meter.peak_mem_mib() if meter is not None else None, model=args.model, run_dir=run.run_dir)
     if run.nocap_val is not None:
         summary["final_val_loss_1024"] = outcome.final_val_loss_1024
+    if args.lr_schedule == "target":
+        summary["warmdown"] = run.warmdown  # [first step, end] as chosen; None: --num_iterations' own
     run.log.write_json("summary.json", summary)
     run.log.print(format_summary(summary))
     if run.env.world_size > 1:

@@ -1,0 +1,125 @@
+"""--lr_schedule target: the run chooses where its warmdown starts from the constant phase's curve and the target;
+the choice is a function of the evaluations alone, so a resumed run keeps it."""
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+from conftest import make_shards, read_metrics, tiny_run_args
+
+from train_gpt2 import (chosen_warmdown, lr_area, lr_scale, main, next_evaluation, stable_fit, warmdown_plan,
+                        warmdown_steps)
+
+
+def schedule(**overrides):
+    values = dict(num_iterations=1000, warmup_iters=10, warmdown_iters=250, lr_floor=0.1, cooldown_drop=0.2,
+                  target_val_loss=4.3, lr_schedule="target")
+    return SimpleNamespace(**{**values, **overrides})
+
+
+def curve(step: int, args) -> float:
+    """A constant phase's loss: 3 + 40 / area^0.5."""
+    return 3.0 + 40.0 * lr_area(step, args) ** -0.5
+
+
+def test_the_fit_recovers_a_power_law_in_the_learning_rates_area():
+    points = [(a, 2.5 + 7.0 * a ** -0.35) for a in range(50, 2000, 150)]
+    floor, scale, exponent = stable_fit(points)
+    assert (floor, scale, exponent) == pytest.approx((2.5, 7.0, 0.35), rel=1e-6)
+    assert stable_fit(points[:3]) is None  # too few to fit three numbers
+    assert stable_fit([(a, 3.0 + 1e-4 * a) for a in range(1, 10)]) is None  # a rising curve has no falling fit
+
+
+def test_the_warmdown_starts_at_the_first_evaluation_whose_prediction_reaches_the_target():
+    args = schedule()
+    evaluations = [(s, curve(s, args)) for s in range(25, 750, 25)]
+    warmdown = chosen_warmdown(evaluations, args)
+    start, end = warmdown
+    # A warmdown from s ends where the curve stands at s's area plus its own, less the drop.
+    def ends_at(s):
+        return curve(s, args) - 40 * lr_area(s, args) ** -0.5 + 40 * (
+            lr_area(s, args) + warmdown_steps(s, args) * 1.1 / 2) ** -0.5 - 0.2
+    assert ends_at(start) <= 4.3 < ends_at(start - 25)
+    assert end - start == warmdown_steps(start, args) == round(start * 250 / 750)  # a quarter of the run
+    # Each evaluation's plan: the step the prediction reaches the target, the same curve seen from any point.
+    plan = warmdown_plan([e for e in evaluations if e[0] <= 200], args)
+    assert ends_at(plan.start) == pytest.approx(4.3, abs=2e-3) and start - 25 < plan.start <= start
+    assert plan.predicted == pytest.approx(ends_at(200), abs=1e-6)
+
+
+def test_a_target_the_longest_run_cannot_reach_keeps_the_fixed_schedule():
+    args = schedule(target_val_loss=2.0)
+    evaluations = [(s, curve(s, args)) for s in range(25, 1001, 25)]
+    assert chosen_warmdown(evaluations, args) is None
+    assert math.isinf(warmdown_plan(evaluations[:10], args).start)
+    assert warmdown_plan(evaluations, args) is None  # the fixed warmdown has begun: nothing left to choose
+    assert [lr_scale(s, args) for s in (500, 750, 1000)] == pytest.approx([1.0, 1.0, 0.1])
+
+
+def test_the_learning_rate_follows_the_chosen_warmdown():
+    args = schedule()
+    assert [lr_scale(s, args, (300, 400)) for s in (0, 9, 299, 300, 350, 400, 450)] == pytest.approx(
+        [0.1, 1.0, 1.0, 1.0, 0.55, 0.1, 0.1])
+
+
+def run_target(capsys, tmp_path, name, *extra):
+    shards = make_shards(tmp_path / "cyclic", cyclic=True)  # a learnable run
+    argv = tiny_run_args(shards, tmp_path, name, "--lr_schedule", "target", "--num_iterations", "60",
+                         "--warmdown_iters", "15", "--val_loss_every", "4", "--target_val_loss", "0.3",
+                         "--lr_floor", "0.1", "--overtime_steps", "30", *extra)
+    code = main(argv)
+    records = read_metrics(tmp_path / name)
+    evaluations = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    return code, evaluations, summary, records, capsys.readouterr().out
+
+
+def test_a_run_chooses_its_warmdown_says_so_and_a_resumed_run_keeps_it(tmp_path, capsys, monkeypatch):
+    import train_gpt2
+    monkeypatch.setattr(train_gpt2.os, "remove", lambda path: None)  # keep every checkpoint around
+    code, straight, summary, records, out = run_target(capsys, tmp_path, "straight", "--save_every", "4")
+    assert code == 0 and summary["status"] == "reached_target"
+    start, end = summary["warmdown"]
+    assert (start, end) == chosen_warmdown(straight, SimpleNamespace(**json.loads(
+        (tmp_path / "straight" / "config.json").read_text())["args"]))
+    assert f"plan: the warmdown starts now, at step {start}, and ends at step {end}" in out
+    lrs = {r["step"]: r["lr"] for r in records if "lr" in r}
+    peak = max(lrs.values())  # each record is of the step it completes: step start trains at the peak still
+    assert lrs[start + 1] == peak and lrs[start + 2] == pytest.approx(peak * (0.1 + 0.9 * (1 - 1 / (end - start))))
+    for before in (start - 4, start + 4):  # resumed before the choice and after it: the same run
+        if before < straight[-1][0]:
+            code, resumed, again, _, _ = run_target(capsys, tmp_path, f"resumed{before}", "--resume",
+                                                    str(tmp_path / "straight" / f"ckpt_{before:06d}.pt"))
+            assert code == 0 and again["warmdown"] == [start, end]
+            assert resumed == [e for e in straight if e[0] >= before]  # its own directory: step `before` again
+
+
+def test_a_warmdown_chosen_too_early_trains_on_until_the_target(tmp_path, capsys):
+    # A drop far larger than the warmdown takes: the first fit starts the warmdown; it ends above the target,
+    # and the overtime at the floor's learning rate goes on to it.
+    code, evaluations, summary, _, out = run_target(capsys, tmp_path, "early", "--cooldown_drop", "5",
+                                                    "--val_loss_every", "2", "--lr_floor", "0.5")
+    start, end = summary["warmdown"]
+    assert start == 8  # the first evaluation with four after step 0 to fit
+    assert f"the schedule's {end} steps ended at val loss" in out and "training on at the final learning rate" in out
+    assert code == 0 and summary["status"] == "reached_target" and summary["overtime_steps"] > 0
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--target_val_loss", "0"], "--lr_schedule target sizes the run to --target_val_loss"),
+    (["--warmdown_iters", "0"], "--lr_schedule target needs a constant phase to read the curve from"),
+    (["--warmdown_iters", "60"], "--lr_schedule target needs a constant phase to read the curve from"),
+    (["--cooldown_drop", "-1"], "--cooldown_drop -1.0 must be a finite loss >= 0"),
+])
+def test_bad_target_schedules_are_refused(tmp_path, capsys, flags, error):
+    shards = make_shards(tmp_path / "data")
+    argv = tiny_run_args(shards, tmp_path, "bad", "--lr_schedule", "target", "--num_iterations", "60",
+                         "--warmdown_iters", "15", "--target_val_loss", "0.5", *flags)
+    assert main(argv) == 2
+    assert error in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_auto_evaluations_aim_at_the_planned_warmdown_start():
+    # Until the warmdown is chosen the evaluations close in on where it should start, not on the target.
+    assert next_evaluation([(100, 5.0), (200, 4.0)], 3.0, 10_000, aim=300) == 260
