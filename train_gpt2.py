@@ -197,7 +197,7 @@ def add_schedule_flags(g):
     g.add_argument("--cooldown_drop", type=float, default=0.15,
                    help="--lr_schedule target: the loss a warmdown takes off the constant phase's curve extended "
                         "by the warmdown's learning-rate area (P100 reads 0.20-0.30 for d12_fast's 25%% warmdown, "
-                        "0.13-0.20 for d12's 21.5%%; lower starts the warmdown later, crossing the target before "
+                        "0.14-0.20 for d12's 21.5%%; lower starts the warmdown later, crossing the target before "
                         "it ends)")
     g.add_argument("--warmup_iters", type=int, default=256, help="linear warmup steps")
     g.add_argument("--warmdown_iters", type=int, default=1024, help="linear decay-to-zero steps at the end")
@@ -2793,7 +2793,6 @@ def lr_area(step: int, args) -> float:
 
 class WarmdownPlan(NamedTuple):
     """--lr_schedule target after an evaluation: where a warmdown started at the last evaluation would end."""
-    fit: tuple[float, float, float]  # the constant phase's curve (stable_fit)
     predicted: float  # the loss a warmdown started at the last evaluation ends at
     start: float  # the step the prediction reaches the target at (inf: not within --num_iterations)
 
@@ -2821,7 +2820,7 @@ def warmdown_plan(evaluations: list, args) -> WarmdownPlan | None:
         while hi - lo > 0.5:  # the prediction falls with the step
             lo, hi = (lo, (lo + hi) / 2) if ends_at((lo + hi) / 2) <= args.target_val_loss else ((lo + hi) / 2, hi)
         start = hi
-    return WarmdownPlan(fit, ends_at(last), start)
+    return WarmdownPlan(ends_at(last), start)
 
 
 def chosen_warmdown(evaluations: list, args) -> tuple[int, int] | None:
