@@ -2697,7 +2697,8 @@ def evaluate_and_record(run: Run, step: int, stop: StopSignal) -> tuple[float | 
     if val_loss is not None:
         run.log.record(step=step, tokens=run.tokens_through(step), val_loss=val_loss, train_time_s=run.train_time_s,
                        eval_s=eval_s)
-        run.evaluations.append((step, val_loss))
+        if not run.evaluations or run.evaluations[-1][0] != step:  # a resumed step evaluated again: once
+            run.evaluations.append((step, val_loss))
         run.replan()
     return val_loss, eval_s
 

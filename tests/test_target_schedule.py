@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import make_shards, read_metrics, tiny_run_args
 
-from train_gpt2 import (chosen_warmdown, lr_area, lr_scale, main, next_evaluation, stable_fit, warmdown_plan,
-                        warmdown_steps)
+from train_gpt2 import (WarmdownPlan, chosen_warmdown, lr_area, lr_scale, main, next_evaluation, plan_text,
+                        stable_fit, warmdown_plan, warmdown_steps)
 
 
 def schedule(**overrides):
@@ -86,12 +86,12 @@ def test_a_run_chooses_its_warmdown_says_so_and_a_resumed_run_keeps_it(tmp_path,
     lrs = {r["step"]: r["lr"] for r in records if "lr" in r}
     peak = max(lrs.values())  # each record is of the step it completes: step start trains at the peak still
     assert lrs[start + 1] == peak and lrs[start + 2] == pytest.approx(peak * (0.1 + 0.9 * (1 - 1 / (end - start))))
-    for before in (start - 4, start + 4):  # resumed before the choice and after it: the same run
-        if before < straight[-1][0]:
-            code, resumed, again, _, _ = run_target(capsys, tmp_path, f"resumed{before}", "--resume",
-                                                    str(tmp_path / "straight" / f"ckpt_{before:06d}.pt"))
-            assert code == 0 and again["warmdown"] == [start, end]
-            assert resumed == [e for e in straight if e[0] >= before]  # its own directory: step `before` again
+    assert start + 4 <= straight[-1][0]  # the run goes on past the choice, so both resumes below are real
+    for before in (start - 4, start):  # resumed before the choice, and from the checkpoint written after it
+        code, resumed, again, _, _ = run_target(capsys, tmp_path, f"resumed{before}", "--resume",
+                                                str(tmp_path / "straight" / f"ckpt_{before:06d}.pt"))
+        assert code == 0 and again["warmdown"] == [start, end]
+        assert resumed == [e for e in straight if e[0] >= before]  # its own directory: step `before` again
 
 
 def test_a_warmdown_chosen_too_early_trains_on_until_the_target(tmp_path, capsys):
@@ -118,6 +118,17 @@ def test_bad_target_schedules_are_refused(tmp_path, capsys, flags, error):
     assert main(argv) == 2
     assert error in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_val_line_says_the_prediction_until_the_warmdown_is_chosen():
+    run = SimpleNamespace(args=schedule(val_loss_every=25), evaluations=[(100, 5.0)], warmdown=None,
+                          plan=WarmdownPlan(predicted=4.61234, start=612.4))
+    assert plan_text(run) == (" | plan: a warmdown from here would end near 4.6123; one that ends at the target "
+                              "starts near step 612")
+    run.plan = WarmdownPlan(predicted=4.9, start=math.inf)
+    assert plan_text(run).endswith("starts not within --num_iterations")
+    run.warmdown = (600, 800)  # chosen: the prediction is no longer news
+    assert plan_text(run) == ""
 
 
 def test_auto_evaluations_aim_at_the_planned_warmdown_start():
