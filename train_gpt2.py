@@ -193,12 +193,13 @@ def add_schedule_flags(g):
                         "--num_iterations (torch's OneCycleLR; --warmdown_iters unused); target: the trapezoid "
                         "sized by the run, its warmdown (the same fraction of the run as --warmdown_iters of "
                         "--num_iterations) starting at the first evaluation where the constant phase's curve says "
-                        "a warmdown started there ends at --target_val_loss; --num_iterations is the longest run")
-    g.add_argument("--cooldown_drop", type=float, default=0.15,
-                   help="--lr_schedule target: the loss a warmdown takes off the constant phase's curve extended "
-                        "by the warmdown's learning-rate area (P100 reads 0.20-0.30 for d12_fast's 25%% warmdown, "
-                        "0.14-0.20 for d12's 21.5%%; lower starts the warmdown later, crossing the target before "
-                        "it ends)")
+                        "a warmdown started there ends at --target_val_loss, its end re-aimed by its own "
+                        "evaluations; --num_iterations is the longest run")
+    g.add_argument("--cooldown_drop", type=float, default=0.2,
+                   help="--lr_schedule target: the loss a warmdown is expected to take off the constant phase's "
+                        "curve extended by the warmdown's learning-rate area, until the warmdown's own evaluations "
+                        "read it and re-aim its end (P100 reads 0.20-0.30 for d12_fast's 25%% warmdown, 0.14-0.20 "
+                        "for d12's 21.5%%; higher starts the warmdown earlier)")
     g.add_argument("--warmup_iters", type=int, default=256, help="linear warmup steps")
     g.add_argument("--warmdown_iters", type=int, default=1024, help="linear decay-to-zero steps at the end")
     g.add_argument("--layerdrop", type=float, default=0.0,
@@ -368,7 +369,9 @@ def check_target_schedule(args):
                          f"pass 0 < --warmdown_iters < --num_iterations - --warmup_iters (e.g. a quarter of "
                          f"--num_iterations {args.num_iterations})")
     if not 0 <= args.cooldown_drop < math.inf:
-        raise InputError(f"--cooldown_drop {args.cooldown_drop} must be a finite loss >= 0 (e.g. 0.15)")
+        raise InputError(f"--cooldown_drop {args.cooldown_drop} must be a finite loss >= 0 (e.g. 0.2)")
+    if args.lr_floor >= 1:
+        raise InputError("--lr_schedule target needs a warmdown that decays: pass --lr_floor < 1")
 
 
 def check_doubling_flags(args, name: str, end_flag: str, end: int):
@@ -1582,7 +1585,7 @@ class StepSettings(NamedTuple):
     layerdrop: float  # LayerDrop's skip probability: --layerdrop falling linearly to 0 at --layerdrop_iters
 
 
-def schedule_at(step: int, args, config: GPTConfig, warmdown: tuple[int, int] | None = None) -> StepSettings:
+def schedule_at(step: int, args, config: GPTConfig, warmdown: tuple | None = None) -> StepSettings:
     warmup, drop_iters = args.muon_momentum_warmup, args.layerdrop_iters
     return StepSettings(
         lr_scale=lr_scale(step, args, warmdown),
@@ -1592,10 +1595,10 @@ def schedule_at(step: int, args, config: GPTConfig, warmdown: tuple[int, int] | 
         layerdrop=args.layerdrop * (1 - step / drop_iters) if step < drop_iters else 0.0)
 
 
-def lr_scale(step: int, args, warmdown: tuple[int, int] | None = None) -> float:
+def lr_scale(step: int, args, warmdown: tuple | None = None) -> float:
     """Step `step`'s learning rate as a multiple of each group's peak. trapezoid (NoCap's): linear warmup,
     constant, a linear warmdown over the last warmdown_iters steps to lr_floor (NoCap: 0), where it stays (in
-    overtime); target: the trapezoid with the warmdown the run chose, `warmdown` = (its first step, its end), or
+    overtime); target: the trapezoid with the warmdown the run chose, `warmdown` = its legs (warmdown_lr), or
     --num_iterations' until it chooses. one_cycle: torch's OneCycleLR, cosine from 1/25 to 1 at step
     warmup_iters - 1, then down to lr_floor at step num_iterations - 1, where it stays."""
     if args.lr_schedule == "one_cycle":
@@ -1603,12 +1606,23 @@ def lr_scale(step: int, args, warmdown: tuple[int, int] | None = None) -> float:
         if step <= peak_step:
             return cosine_between(1 / 25, 1.0, step / peak_step if peak_step else 1.0)
         return cosine_between(1.0, args.lr_floor, min(1.0, (step - peak_step) / (last_step - peak_step)))
-    start, end = warmdown or (args.num_iterations - args.warmdown_iters, args.num_iterations)
     if step < args.warmup_iters:
         return (step + 1) / args.warmup_iters
-    if step < start:
-        return 1.0
-    return args.lr_floor + (1 - args.lr_floor) * max(0, end - step) / (end - start) if step < end else args.lr_floor
+    return warmdown_lr(step, warmdown or ((args.num_iterations - args.warmdown_iters, args.num_iterations),),
+                       args.lr_floor)
+
+
+def warmdown_lr(step: int, legs: tuple, floor: float) -> float:
+    """The learning rate (x the peak) at `step` of a warmdown of legs ((first step, end), ...): the peak before
+    the first leg; from each leg's first step, a straight line from where the rate stands to `floor` at the leg's
+    end, where it stays. One leg is the trapezoid's warmdown; --lr_schedule target adds one per re-aim."""
+    level = 1.0
+    for (first, end), (following, _) in zip(legs, legs[1:] + ((math.inf, None),)):
+        if step < first:
+            return level
+        if step < following:
+            return floor if step >= end else floor + (level - floor) * (end - step) / (end - first)
+        level = floor + (level - floor) * (end - following) / (end - first)  # a re-aim comes before the end
 
 
 def cosine_between(start: float, end: float, fraction: float) -> float:
@@ -2301,9 +2315,9 @@ class Run:
     train_time_s: float = 0.0  # optimizer steps only, carried over a resume
     resumed_evaluation: float | None = None  # the val loss logged at the resumed checkpoint's step
     evaluations: list = field(default_factory=list)  # (step, val loss) of each evaluation so far, a resumed run's too
-    # --lr_schedule target: the latest prediction (WarmdownPlan), and the warmdown chosen (first step, end)
+    # --lr_schedule target: the latest prediction (WarmdownPlan), and the warmdown chosen and re-aimed (Warmdown)
     plan: "WarmdownPlan | None" = None
-    warmdown: tuple[int, int] | None = None
+    warmdown: "Warmdown | None" = None
     resumed_from: str | None = None  # the checkpoint's path
 
     @property
@@ -2322,13 +2336,19 @@ class Run:
     @property
     def schedule_end(self) -> int:
         """The step the learning rate reaches its floor at: --num_iterations, or the chosen warmdown's end."""
-        return self.warmdown[1] if self.warmdown else self.args.num_iterations
+        return self.warmdown.end if self.warmdown else self.args.num_iterations
+
+    @property
+    def warmdown_legs(self) -> tuple | None:
+        return self.warmdown.legs if self.warmdown else None
 
     def replan(self):
-        """--lr_schedule target, after an evaluation: predict again, and choose the warmdown if it is due."""
-        if self.args.lr_schedule == "target" and self.warmdown is None and self.evaluations:
-            self.plan = warmdown_plan(self.evaluations, self.args)
-            self.warmdown = chosen_warmdown(self.evaluations, self.args)
+        """--lr_schedule target, after an evaluation: predict again until the warmdown is chosen, choose it when it
+        is due, and re-aim it after."""
+        if self.args.lr_schedule == "target" and self.evaluations:
+            if self.warmdown is None:
+                self.plan = warmdown_plan(self.evaluations, self.args)
+            self.warmdown = planned_warmdown(self.evaluations, self.args)
 
 
 def report_sampled_softmax(args, config: GPTConfig, loader: TokenLoader, log: RunLog):
@@ -2727,7 +2747,7 @@ def evaluation_aim(run: Run) -> float | None:
         last, cap = run.evaluations[-1][0], run.args.num_iterations
         return last + cap * AUTO_EVAL_FIRST if run.plan is None else min(run.plan.start, cap)
     crossing = chord_crossing(run.evaluations, run.args.target_val_loss)
-    return run.warmdown[1] if crossing is None else min(crossing, run.warmdown[1])
+    return run.warmdown.end if crossing is None else min(crossing, run.warmdown.end)
 
 
 def next_evaluation(evaluations: list, target: float, num_iterations: int, aim: float | None = None) -> int:
@@ -2756,10 +2776,15 @@ def chord_crossing(evaluations: list, target: float) -> float | None:
 
 
 # --lr_schedule target. The constant phase's curve is fitted as loss = floor + scale * area^-exponent against the
-# learning rate's area (steps at the peak); a warmdown adds its own area and takes --cooldown_drop off the curve
-# there (Tissue et al. 2024: the loss falls with the lr's area and with its annealing, whose gain saturates over a
-# warmdown of many steps). The exponent comes from a grid, so that the fit is cheap and deterministic.
+# learning rate's area (steps at the peak); a warmdown adds its own area and takes a drop off the curve there, the
+# share of it the decay has done so far: the loss at a constant rate carries a noise term that falls with the rate
+# (Tissue et al. 2024: the loss falls with the lr's area and with its annealing, whose gain saturates over a
+# warmdown of many steps). --cooldown_drop is the drop expected until the warmdown shows its own. The exponent
+# comes from a grid, so that the fit is cheap and deterministic.
 STABLE_FIT_EXPONENTS = tuple(i / 20 for i in range(1, 31))  # 0.05 .. 1.5
+# Evaluations in a warmdown are read once this share of its decay is done (the loss lags the rate before), and
+# --cooldown_drop weighs as one reading halfway down.
+DROP_READ_AFTER, DROP_PRIOR_WEIGHT = 0.3, 0.25
 
 
 def stable_fit(points: list) -> tuple[float, float, float] | None:
@@ -2798,15 +2823,18 @@ class WarmdownPlan(NamedTuple):
     start: float  # the step the prediction reaches the target at (inf: not within --num_iterations)
 
 
+def constant_phase_fit(evaluations: list, args) -> tuple[float, float, float] | None:
+    """stable_fit of the evaluations from a quarter of the last one's step on, after the warmup."""
+    last = evaluations[-1][0]
+    return stable_fit([(lr_area(s, args), loss) for s, loss in evaluations if s >= max(args.warmup_iters, last / 4, 1)])
+
+
 def warmdown_plan(evaluations: list, args) -> WarmdownPlan | None:
-    """The prediction from the constant phase's evaluations so far (from a quarter of the last one's step on,
-    after the warmup); None with too few of them. A warmdown started at step s ends at the curve's loss at
-    s's area plus the warmdown's, less --cooldown_drop."""
+    """The prediction from the constant phase's evaluations so far; None with too few of them or once the fixed
+    schedule's warmdown is due. A warmdown started at step s ends at the curve's loss at s's area plus the
+    warmdown's, less --cooldown_drop."""
     last, latest = evaluations[-1][0], args.num_iterations - args.warmdown_iters  # the fixed schedule's warmdown
-    if last >= latest:
-        return None
-    points = [(lr_area(s, args), loss) for s, loss in evaluations if s >= max(args.warmup_iters, last / 4, 1)]
-    fit = stable_fit(points)
+    fit = constant_phase_fit(evaluations, args) if last < latest else None
     if fit is None:
         return None
     floor, scale, exponent = fit
@@ -2824,18 +2852,66 @@ def warmdown_plan(evaluations: list, args) -> WarmdownPlan | None:
     return WarmdownPlan(ends_at(last), start)
 
 
-def chosen_warmdown(evaluations: list, args) -> tuple[int, int] | None:
-    """--lr_schedule target: (first step, end) of the warmdown the evaluations choose: it starts at the first
-    evaluation of the constant phase whose prediction reaches the target; None while none has. A function of the
+class Warmdown(NamedTuple):
+    """--lr_schedule target's warmdown as chosen and re-aimed so far."""
+    legs: tuple  # ((first step, end), (step of a re-aim, its end), ...): warmdown_lr's
+    fit: tuple  # the constant phase's curve at the choice: (floor, scale, exponent)
+    drop: float  # the drop expected at the end: --cooldown_drop, then what the warmdown shows (read_drop)
+
+    @property
+    def end(self) -> int:
+        return self.legs[-1][1]
+
+
+def planned_warmdown(evaluations: list, args) -> Warmdown | None:
+    """--lr_schedule target: the warmdown the evaluations choose and re-aim. It starts at the first evaluation of
+    the constant phase whose prediction reaches the target, and each later evaluation before its end re-aims the
+    end to where the drop read so far brings the loss to the target; None while not chosen. A function of the
     evaluations alone, so that a resumed run keeps the plan."""
-    latest = args.num_iterations - args.warmdown_iters
+    latest, warmdown = args.num_iterations - args.warmdown_iters, None
     for i, (step, _) in enumerate(evaluations):
-        if step >= latest:
-            break
-        plan = warmdown_plan(evaluations[:i + 1], args)
-        if plan is not None and plan.start <= step:
-            return step, step + warmdown_steps(step, args)
-    return None
+        if warmdown is None and step < latest:
+            plan = warmdown_plan(evaluations[:i + 1], args)
+            if plan is not None and plan.start <= step:
+                warmdown = Warmdown(((step, step + warmdown_steps(step, args)),),
+                                    constant_phase_fit(evaluations[:i + 1], args), args.cooldown_drop)
+        elif warmdown is not None and step < warmdown.end:
+            warmdown = reaimed(warmdown, step, [e for e in evaluations[:i + 1] if e[0] > warmdown.legs[0][0]], args)
+    return warmdown
+
+
+def warmdown_area(step: int, legs: tuple, floor: float) -> float:
+    """The learning rate's sum (peak steps) from the warmdown's first step to `step`: it is straight between the
+    legs' first steps and the last leg's end."""
+    knots = sorted({first for first, _ in legs if first < step} | {min(step, legs[-1][1]), step})
+    return sum((b - a) * (warmdown_lr(a, legs, floor) + warmdown_lr(b, legs, floor)) / 2
+               for a, b in zip(knots, knots[1:]))
+
+
+def reaimed(warmdown: Warmdown, step: int, seen: list, args) -> Warmdown:
+    """The warmdown re-aimed at evaluation `step` from its evaluations so far (`seen`): each at least
+    DROP_READ_AFTER down its decay reads the drop as the curve's loss there less the evaluation's, over the share
+    of the decay done; the end then moves to where a straight fall from here brings the loss to the target, at
+    most halving what is left and never past --num_iterations (the longest run). Unchanged without a reading."""
+    floor, scale, exponent = warmdown.fit
+    legs, lr_floor, start = warmdown.legs, args.lr_floor, warmdown.legs[0][0]
+
+    def area(s: int) -> float:
+        return lr_area(start, args) + warmdown_area(s, legs, lr_floor)
+
+    weight, total = DROP_PRIOR_WEIGHT, DROP_PRIOR_WEIGHT * args.cooldown_drop
+    for s, loss in seen:
+        done = (1 - warmdown_lr(s, legs, lr_floor)) / (1 - lr_floor)
+        if done >= DROP_READ_AFTER:
+            weight, total = weight + done * done, total + done * (floor + scale * area(s) ** -exponent - loss)
+    if weight == DROP_PRIOR_WEIGHT:
+        return warmdown
+    drop, level = total / weight, warmdown_lr(step, legs, lr_floor)
+    above = args.target_val_loss + drop - floor
+    needed = (scale / above) ** (1 / exponent) if above > 0 else math.inf  # the area the target asks for
+    end = step + 2 * (needed - area(step)) / (level + lr_floor)
+    end = math.ceil(min(args.num_iterations, max(step + (warmdown.end - step) / 2, end)))
+    return warmdown._replace(legs=legs + ((step, end),) if end != warmdown.end else legs, drop=drop)
 
 
 def plan_text(run: Run) -> str:
@@ -2854,18 +2930,23 @@ def plan_text(run: Run) -> str:
     return " | plan: " + "; ".join(parts) if parts else ""
 
 
-def warmdown_chosen_text(run: Run) -> str:
-    start, end = run.warmdown
-    return (f"plan: the warmdown starts now, at step {start}, and ends at step {end} "
-            f"({run.tokens_through(end):,} tokens), predicted to end near {run.plan.predicted:.4f} against the "
-            f"target {run.args.target_val_loss}")
+def warmdown_text(run: Run) -> str:
+    """The plan: line of a warmdown just chosen or just re-aimed."""
+    legs, end, target = run.warmdown.legs, run.warmdown.end, run.args.target_val_loss
+    if len(legs) == 1:
+        return (f"plan: the warmdown starts now, at step {legs[0][0]}, and ends at step {end} "
+                f"({run.tokens_through(end):,} tokens), predicted to end near {run.plan.predicted:.4f} against the "
+                f"target {target}")
+    return (f"plan: the warmdown reads a drop of {run.warmdown.drop:.4f} at its end (--cooldown_drop "
+            f"{run.args.cooldown_drop}): it now ends at step {end} ({run.tokens_through(end):,} tokens), aimed at "
+            f"the target {target}")
 
 
 def timed_step(run: Run, step: int) -> tuple[float, torch.Tensor, dict, float]:
     """Optimizer step number step + 1 at the schedule's learning rate and momentum, timed between two device
     synchronizations: (seconds, mean loss, auxiliary terms, the logged learning rate)."""
     args = run.args
-    settings = schedule_at(step, args, run.config, run.warmdown)
+    settings = schedule_at(step, args, run.config, run.warmdown_legs)
     if args.optimizer == "muon":
         run.optimizer.set_momentum(settings.muon_momentum)
     synchronize(run.env.device)
@@ -3005,8 +3086,8 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
             if reached:
                 outcome.status = "reached_target"
                 break
-            if scheduled_end != run.schedule_end:  # --lr_schedule target chose its warmdown just now
-                emit(warmdown_chosen_text(run))
+            if scheduled_end != run.schedule_end:  # --lr_schedule target chose or re-aimed its warmdown just now
+                emit(warmdown_text(run))
                 scheduled_end = final_step = run.schedule_end
             if step == scheduled_end and args.target_val_loss > 0:  # the schedule ended above the target
                 final_step = scheduled_end + overtime_after(args, scheduled_end, val_loss, emit)
@@ -3074,7 +3155,7 @@ def record_step(run: Run, meter: StepMeter, step: int, trained: tuple, final_ste
     metrics.jsonl, the progress bar or a line, and the eta once the step time has settled. Returns its loss."""
     args = run.args
     step_s, step_loss, aux, lr = trained
-    settings = schedule_at(step, args, run.config, run.warmdown)
+    settings = schedule_at(step, args, run.config, run.warmdown_legs)
     tokens_per_s, mfu = meter.step(step_s, settings.row_length, settings.local_window, args.sampled_softmax)
     done = step + 1
     if len(meter.step_seconds) == 10 and done < final_step:  # once the step time has settled
@@ -3108,7 +3189,8 @@ def finish(run: Run, outcome: Outcome, meter: StepMeter | None, wall_start: floa
     if run.nocap_val is not None:
         summary["final_val_loss_1024"] = outcome.final_val_loss_1024
     if args.lr_schedule == "target":
-        summary["warmdown"] = run.warmdown  # [first step, end] as chosen; None: --num_iterations' own
+        # [[first step, end], [step of a re-aim, its end], ...]; None: --num_iterations' own
+        summary["warmdown"] = run.warmdown_legs
     run.log.write_json("summary.json", summary)
     run.log.print(format_summary(summary))
     if run.env.world_size > 1:

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import make_shards, read_metrics, tiny_run_args
 
-from train_gpt2 import (WarmdownPlan, chosen_warmdown, lr_area, lr_scale, main, next_evaluation, plan_text,
-                        stable_fit, warmdown_plan, warmdown_steps)
+from train_gpt2 import (Warmdown, WarmdownPlan, lr_area, lr_scale, main, next_evaluation, plan_text, planned_warmdown,
+                        stable_fit, warmdown_area, warmdown_lr, warmdown_plan, warmdown_steps)
 
 
 def schedule(**overrides):
@@ -33,8 +33,7 @@ def test_the_fit_recovers_a_power_law_in_the_learning_rates_area():
 def test_the_warmdown_starts_at_the_first_evaluation_whose_prediction_reaches_the_target():
     args = schedule()
     evaluations = [(s, curve(s, args)) for s in range(25, 750, 25)]
-    warmdown = chosen_warmdown(evaluations, args)
-    start, end = warmdown
+    start, end = planned_warmdown(evaluations, args).legs[0]  # later evaluations re-aim it (read on the curve: no drop)
     # A warmdown from s ends where the curve stands at s's area plus its own, less the drop.
     def ends_at(s):
         return curve(s, args) - 40 * lr_area(s, args) ** -0.5 + 40 * (
@@ -50,16 +49,79 @@ def test_the_warmdown_starts_at_the_first_evaluation_whose_prediction_reaches_th
 def test_a_target_the_longest_run_cannot_reach_keeps_the_fixed_schedule():
     args = schedule(target_val_loss=2.0)
     evaluations = [(s, curve(s, args)) for s in range(25, 1001, 25)]
-    assert chosen_warmdown(evaluations, args) is None
+    assert planned_warmdown(evaluations, args) is None
     assert math.isinf(warmdown_plan(evaluations[:10], args).start)
     assert warmdown_plan(evaluations, args) is None  # the fixed warmdown has begun: nothing left to choose
     assert [lr_scale(s, args) for s in (500, 750, 1000)] == pytest.approx([1.0, 1.0, 0.1])
 
 
-def test_the_learning_rate_follows_the_chosen_warmdown():
+def test_the_learning_rate_follows_the_chosen_warmdown_and_each_re_aim():
     args = schedule()
-    assert [lr_scale(s, args, (300, 400)) for s in (0, 9, 299, 300, 350, 400, 450)] == pytest.approx(
+    assert [lr_scale(s, args, ((300, 400),)) for s in (0, 9, 299, 300, 350, 400, 450)] == pytest.approx(
         [0.1, 1.0, 1.0, 1.0, 0.55, 0.1, 0.1])
+    # Re-aimed at 350 (halfway, lr 0.55) to end at 500: from 0.55 straight to the floor there; at 420 to 440.
+    legs = ((300, 400), (350, 500), (420, 440))
+    assert [warmdown_lr(s, legs, 0.1) for s in (349, 350, 419, 420, 430, 440, 900)] == pytest.approx(
+        [0.559, 0.55, 0.55 - 0.45 * 69 / 150, 0.55 - 0.45 * 70 / 150, (0.1 + 0.34) / 2, 0.1, 0.1])
+    # Its area is the sum of the rate over the steps, straight between the legs' first steps.
+    assert warmdown_area(480, legs, 0.1) == pytest.approx(sum(warmdown_lr(s, legs, 0.1) for s in range(300, 480)),
+                                                          abs=0.6)
+
+
+def warmdown_run(args, drop: float, every: int = 25) -> tuple[list, Warmdown]:
+    """Evaluations of a run whose constant phase follows `curve` and whose warmdown takes `drop` times the
+    share of its decay done off it, each planned from those before (as a run does)."""
+    evaluations, step = [], every
+    while step <= args.num_iterations:
+        warmdown = planned_warmdown(evaluations, args) if evaluations else None
+        if warmdown is None:
+            loss = curve(step, args)
+        else:
+            legs, step = warmdown.legs, min(step, warmdown.end)
+            done = (1 - warmdown_lr(step, legs, args.lr_floor)) / (1 - args.lr_floor)
+            area = lr_area(legs[0][0], args) + warmdown_area(step, legs, args.lr_floor)
+            loss = 3.0 + 40.0 * area ** -0.5 - drop * done
+        evaluations.append((step, loss))
+        if loss <= args.target_val_loss or warmdown is not None and step == warmdown.end:  # where a run stops
+            break
+        step += every
+    return evaluations, planned_warmdown(evaluations, args)
+
+
+@pytest.mark.parametrize("drop", [0.1, 0.3])
+def test_the_warmdown_re_aims_its_end_from_the_drop_it_shows(drop):
+    args = schedule()  # --cooldown_drop 0.2: the drop the choice expects
+    evaluations, warmdown = warmdown_run(args, drop)
+    first_end = warmdown.legs[0][1]
+    # The reading moves from the expected drop towards the shown one, and the end with it: later for a drop
+    # smaller than expected (more area needed), earlier for a larger one.
+    assert len(warmdown.legs) > 1 and abs(warmdown.drop - drop) < abs(0.2 - drop) / 2
+    assert (warmdown.end > first_end) if drop < 0.2 else (warmdown.end < first_end)
+    # No reading before DROP_READ_AFTER of the decay: the first evaluation in the warmdown keeps the end.
+    start = warmdown.legs[0][0]
+    early = [e for e in evaluations if e[0] <= start] + [(start + 1, curve(start + 1, args))]
+    assert planned_warmdown(early, args).legs == ((start, first_end),)
+
+
+def test_a_re_aimed_end_brings_the_curve_less_the_drop_read_to_the_target():
+    args = schedule()
+    evaluations, warmdown = warmdown_run(args, drop=0.15)
+    for step, end in warmdown.legs[1:]:  # none of these is held by a bound
+        then = planned_warmdown([e for e in evaluations if e[0] <= step], args)
+        area = lr_area(then.legs[0][0], args) + warmdown_area(end, then.legs, args.lr_floor)
+        assert 3.0 + 40.0 * area ** -0.5 - then.drop == pytest.approx(args.target_val_loss, abs=2e-3)
+    # It ends at the target to within the drop read's remaining error (the expected drop still weighs in).
+    assert evaluations[-1][0] == warmdown.end and evaluations[-1][1] == pytest.approx(args.target_val_loss, abs=5e-3)
+
+
+def test_a_re_aim_at_most_halves_what_is_left_and_stays_within_the_longest_run():
+    args = schedule()
+    _, fast = warmdown_run(args, drop=0.4)  # larger than expected: the end comes closer, by half at most
+    assert [end for _, end in fast.legs] == [833, 767, 746]
+    for (step, end), (_, before) in zip(fast.legs[1:], fast.legs):
+        assert end == math.ceil(step + (before - step) / 2)
+    _, slow = warmdown_run(args, drop=0.05)  # smaller: the end moves out, no farther than --num_iterations
+    assert slow.end == 1000 and slow.legs[-2][1] < 1000
 
 
 def run_target(capsys, tmp_path, name, *extra):
@@ -74,23 +136,27 @@ def run_target(capsys, tmp_path, name, *extra):
     return code, evaluations, summary, records, capsys.readouterr().out
 
 
-def test_a_run_chooses_its_warmdown_says_so_and_a_resumed_run_keeps_it(tmp_path, capsys, monkeypatch):
+def test_a_run_chooses_and_re_aims_its_warmdown_says_so_and_a_resumed_run_keeps_it(tmp_path, capsys, monkeypatch):
     import train_gpt2
     monkeypatch.setattr(train_gpt2.os, "remove", lambda path: None)  # keep every checkpoint around
-    code, straight, summary, records, out = run_target(capsys, tmp_path, "straight", "--save_every", "4")
+    code, straight, summary, records, out = run_target(capsys, tmp_path, "straight", "--save_every", "4",
+                                                       "--val_loss_every", "2")
     assert code == 0 and summary["status"] == "reached_target"
-    start, end = summary["warmdown"]
-    assert (start, end) == chosen_warmdown(straight, SimpleNamespace(**json.loads(
-        (tmp_path / "straight" / "config.json").read_text())["args"]))
+    legs = planned_warmdown(straight, SimpleNamespace(**json.loads(
+        (tmp_path / "straight" / "config.json").read_text())["args"])).legs
+    assert summary["warmdown"] == [list(leg) for leg in legs]
+    start, end = legs[0]
     assert f"plan: the warmdown starts now, at step {start}, and ends at step {end}" in out
     lrs = {r["step"]: r["lr"] for r in records if "lr" in r}
     peak = max(lrs.values())  # each record is of the step it completes: step start trains at the peak still
     assert lrs[start + 1] == peak and lrs[start + 2] == pytest.approx(peak * (0.1 + 0.9 * (1 - 1 / (end - start))))
-    assert start + 4 <= straight[-1][0]  # the run goes on past the choice, so both resumes below are real
-    for before in (start - 4, start):  # resumed before the choice, and from the checkpoint written after it
-        code, resumed, again, _, _ = run_target(capsys, tmp_path, f"resumed{before}", "--resume",
-                                                str(tmp_path / "straight" / f"ckpt_{before:06d}.pt"))
-        assert code == 0 and again["warmdown"] == [start, end]
+    reaimed = next(step for step, _ in legs[2:] if step % 4 == 0)  # a checkpoint after the first two re-aims
+    assert "plan: the warmdown reads a drop of" in out and reaimed + 4 <= straight[-1][0]
+    # Resumed before the choice, from the checkpoint written after it, and after re-aims: the same plan.
+    for before in (start - 4, start, reaimed):
+        code, resumed, again, _, _ = run_target(capsys, tmp_path, f"resumed{before}", "--val_loss_every", "2",
+                                                "--resume", str(tmp_path / "straight" / f"ckpt_{before:06d}.pt"))
+        assert code == 0 and again["warmdown"] == summary["warmdown"]
         assert resumed == [e for e in straight if e[0] >= before]  # its own directory: step `before` again
 
 
@@ -99,7 +165,7 @@ def test_a_warmdown_chosen_too_early_trains_on_until_the_target(tmp_path, capsys
     # and the overtime at the floor's learning rate goes on to it.
     code, evaluations, summary, _, out = run_target(capsys, tmp_path, "early", "--cooldown_drop", "5",
                                                     "--val_loss_every", "2", "--lr_floor", "0.5")
-    start, end = summary["warmdown"]
+    start, end = summary["warmdown"][0][0], summary["warmdown"][-1][1]
     assert start == 8  # the first evaluation with four after step 0 to fit
     assert f"the schedule's {end} steps ended at val loss" in out and "training on at the final learning rate" in out
     assert code == 0 and summary["status"] == "reached_target" and summary["overtime_steps"] > 0
@@ -127,7 +193,7 @@ def test_the_val_line_says_the_prediction_until_the_warmdown_is_chosen():
                               "starts near step 612")
     run.plan = WarmdownPlan(predicted=4.9, start=math.inf)
     assert plan_text(run).endswith("starts not within --num_iterations")
-    run.warmdown = (600, 800)  # chosen: the prediction is no longer news
+    run.warmdown = Warmdown(((600, 800),), (3.0, 40.0, 0.5), 0.2)  # chosen: the prediction is no longer news
     assert plan_text(run) == ""
 
 
