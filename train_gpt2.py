@@ -2891,8 +2891,10 @@ def warmdown_area(step: int, legs: tuple, floor: float) -> float:
 def reaimed(warmdown: Warmdown, step: int, seen: list, args) -> Warmdown:
     """The warmdown re-aimed at evaluation `step` from its evaluations so far (`seen`): each at least
     DROP_READ_AFTER down its decay reads the drop as the curve's loss there less the evaluation's, over the share
-    of the decay done; the end then moves to where a straight fall from here brings the loss to the target, at
-    most halving what is left and never past --num_iterations (the longest run). Unchanged without a reading."""
+    of the decay done; where a straight fall from here needs longer to bring the loss to the target, the end moves
+    out, never past --num_iterations (the longest run). It never moves in: a larger drop than expected crosses
+    the target before the end, where the run stops, while a decay steepened late falls short of the drop it read
+    (the loss lags the rate). Unchanged without a reading."""
     floor, scale, exponent = warmdown.fit
     legs, lr_floor, start = warmdown.legs, args.lr_floor, warmdown.legs[0][0]
 
@@ -2910,7 +2912,7 @@ def reaimed(warmdown: Warmdown, step: int, seen: list, args) -> Warmdown:
     above = args.target_val_loss + drop - floor
     needed = (scale / above) ** (1 / exponent) if above > 0 else math.inf  # the area the target asks for
     end = step + 2 * (needed - area(step)) / (level + lr_floor)
-    end = math.ceil(min(args.num_iterations, max(step + (warmdown.end - step) / 2, end)))
+    end = math.ceil(min(args.num_iterations, max(warmdown.end, end)))
     return warmdown._replace(legs=legs + ((step, end),) if end != warmdown.end else legs, drop=drop)
 
 
