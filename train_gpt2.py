@@ -193,8 +193,8 @@ def add_schedule_flags(g):
                         "--num_iterations (torch's OneCycleLR; --warmdown_iters unused); target: the trapezoid "
                         "sized by the run, its warmdown (the same fraction of the run as --warmdown_iters of "
                         "--num_iterations) starting at the first evaluation where the constant phase's curve says "
-                        "a warmdown started there ends at --target_val_loss, its end re-aimed by its own "
-                        "evaluations; --num_iterations is the longest run")
+                        "a warmdown started there ends at --target_val_loss, its end moved out where its own "
+                        "evaluations read a smaller drop; --num_iterations is the longest run, overtime the fallback")
     g.add_argument("--cooldown_drop", type=float, default=0.2,
                    help="--lr_schedule target: the loss a warmdown is expected to take off the constant phase's "
                         "curve extended by the warmdown's learning-rate area, until the warmdown's own evaluations "
@@ -372,6 +372,9 @@ def check_target_schedule(args):
         raise InputError(f"--cooldown_drop {args.cooldown_drop} must be a finite loss >= 0 (e.g. 0.2)")
     if args.lr_floor >= 1:
         raise InputError("--lr_schedule target needs a warmdown that decays: pass --lr_floor < 1")
+    if args.overtime_steps <= 0 or args.lr_floor <= 0:
+        raise InputError("--lr_schedule target trains on where its warmdown ends above the target: pass "
+                         "--overtime_steps > 0 (e.g. a quarter of --num_iterations) and --lr_floor > 0 (e.g. 0.1)")
 
 
 def check_doubling_flags(args, name: str, end_flag: str, end: int):
@@ -2865,9 +2868,9 @@ class Warmdown(NamedTuple):
 
 def planned_warmdown(evaluations: list, args) -> Warmdown | None:
     """--lr_schedule target: the warmdown the evaluations choose and re-aim. It starts at the first evaluation of
-    the constant phase whose prediction reaches the target, and each later evaluation before its end re-aims the
-    end to where the drop read so far brings the loss to the target; None while not chosen. A function of the
-    evaluations alone, so that a resumed run keeps the plan."""
+    the constant phase whose prediction reaches the target, and each later evaluation before its end re-aims it
+    (reaimed: out, where the drop read so far needs longer to reach the target); None while not chosen. A function
+    of the evaluations alone, so that a resumed run keeps the plan."""
     latest, warmdown = args.num_iterations - args.warmdown_iters, None
     for i, (step, _) in enumerate(evaluations):
         if warmdown is None and step < latest:

@@ -177,6 +177,9 @@ def test_a_warmdown_chosen_too_early_trains_on_until_the_target(tmp_path, capsys
     (["--warmdown_iters", "0"], "--lr_schedule target needs a constant phase to read the curve from"),
     (["--warmdown_iters", "60"], "--lr_schedule target needs a constant phase to read the curve from"),
     (["--cooldown_drop", "-1"], "--cooldown_drop -1.0 must be a finite loss >= 0"),
+    (["--lr_floor", "1", "--overtime_steps", "9"], "--lr_schedule target needs a warmdown that decays"),
+    (["--lr_floor", "0", "--overtime_steps", "9"], "--lr_schedule target trains on where its warmdown ends above"),
+    (["--lr_floor", "0.1", "--overtime_steps", "0"], "--lr_schedule target trains on where its warmdown ends above"),
 ])
 def test_bad_target_schedules_are_refused(tmp_path, capsys, flags, error):
     shards = make_shards(tmp_path / "data")
