@@ -204,8 +204,8 @@ def add_schedule_flags(g):
     g.add_argument("--warmdown_iters", type=int, default=1024, help="linear decay-to-zero steps at the end")
     g.add_argument("--layerdrop", type=float, default=0.0,
                    help="LayerDrop: skip each block but the first with this probability, falling linearly to 0 "
-                        "at step --layerdrop_iters (never in evaluation)")
-    g.add_argument("--layerdrop_iters", type=int, default=0, help="steps over which --layerdrop falls to 0")
+                        "at 80%% of --num_iterations, so that the whole network trains the last fifth (never in "
+                        "evaluation)")
     g.add_argument("--token_dropout", type=float, default=0.0,
                    help="token dropout with a consistency loss (R-Drop with the plans' TokenMask): each micro-batch "
                         "also runs with this fraction of its input tokens replaced by <|endoftext|>; the objective "
@@ -328,9 +328,6 @@ def check_run_flags(args):
         raise InputError("--token_dropout compares both passes' full softmaxes; pass --sampled_softmax 0")
     if not 0 <= args.layerdrop < 1:
         raise InputError(f"--layerdrop {args.layerdrop} is a probability: pass a number in [0, 1)")
-    if (args.layerdrop > 0) != (args.layerdrop_iters > 0):
-        raise InputError("--layerdrop and --layerdrop_iters go together: the probability falls from --layerdrop "
-                         "to 0 over --layerdrop_iters steps; pass both (> 0) or neither")
     if isinstance(args.val_sequence_length, int) and args.val_sequence_length < 1:
         raise InputError(f"--val_sequence_length {args.val_sequence_length} must be >= 1")
     if val_row_length(args) > NOCAP_VAL_ROW and val_row_length(args) % NOCAP_VAL_ROW:
@@ -1578,6 +1575,9 @@ def make_optimizer(model: GPT, args, device: torch.device, compiled: bool = Fals
     ])
 
 
+LAYERDROP_UNTIL = 0.8  # LayerDrop's share of the run: the whole network trains the rest, as the plans ask
+
+
 class StepSettings(NamedTuple):
     """What changes with the step, in one table (schedule_at): everything a training step reads from the
     schedule. Step-counted flags set where each changes; --num_iterations alone re-sizes them (resized_schedule)."""
@@ -1585,11 +1585,11 @@ class StepSettings(NamedTuple):
     muon_momentum: float  # 0.85 rising linearly to MUON_MOMENTUM by --muon_momentum_warmup
     row_length: int  # the curriculum: a quarter of --sequence_length doubling up to it by --curriculum_iters
     local_window: int  # the window warmup: a quarter of the model's window doubling up to it by --window_iters
-    layerdrop: float  # LayerDrop's skip probability: --layerdrop falling linearly to 0 at --layerdrop_iters
+    layerdrop: float  # LayerDrop's skip probability: --layerdrop falling linearly to 0 at LAYERDROP_UNTIL
 
 
 def schedule_at(step: int, args, config: GPTConfig, warmdown: tuple | None = None) -> StepSettings:
-    warmup, drop_iters = args.muon_momentum_warmup, args.layerdrop_iters
+    warmup, drop_iters = args.muon_momentum_warmup, round(LAYERDROP_UNTIL * args.num_iterations)
     return StepSettings(
         lr_scale=lr_scale(step, args, warmdown),
         muon_momentum=MUON_MOMENTUM if step >= warmup else 0.85 + (MUON_MOMENTUM - 0.85) * step / warmup,
@@ -3243,7 +3243,7 @@ def report_input_errors(action) -> int:
 
 # Flags counted in optimizer steps: the schedule's shape, which --num_iterations alone re-sizes (resized_schedule).
 SCHEDULE_STEP_FLAGS = ("warmup_iters", "warmdown_iters", "muon_momentum_warmup", "val_loss_every", "curriculum_iters",
-                       "window_iters", "layerdrop_iters", "overtime_steps")
+                       "window_iters", "overtime_steps")
 
 
 def given_flags(parser: argparse.ArgumentParser, argv) -> set[str]:

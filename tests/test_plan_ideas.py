@@ -76,7 +76,7 @@ def test_one_cycle_is_torchs_one_cycle_lr():
 # --- LayerDrop ------------------------------------------------------------------------------------------------
 
 def test_layerdrop_skips_each_block_but_the_first_with_the_scheduled_probability():
-    args = parse("--layerdrop", "0.4", "--layerdrop_iters", "100")
+    args = parse("--layerdrop", "0.4", "--num_iterations", "125")  # falls to 0 at 80% of the run: step 100
     assert [schedule_at(step, args, D12).layerdrop for step in (0, 25, 50, 99, 100, 5000)] == pytest.approx(
         [0.4, 0.3, 0.2, 0.004, 0.0, 0.0])
     draws = [blocks_to_drop(0, micro, 0, 0.4, n_layer=12) for micro in range(3000)]
@@ -117,10 +117,10 @@ def test_a_layerdrop_run_skips_the_drawn_blocks(tmp_path, shards, capsys, monkey
             calls.append(1)
         return block_forward(self, *a, **kw)
     monkeypatch.setattr(train_gpt2.Block, "forward", counting_forward)
-    extra = ["--layerdrop", "0.9", "--layerdrop_iters", "4", "--n_layer", "4", "--val_loss_every", "0"]
+    extra = ["--layerdrop", "0.9", "--n_layer", "4", "--val_loss_every", "0"]
     assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 0
     capsys.readouterr()
-    args = parse(*extra)
+    args = parse(*extra, "--num_iterations", "6")  # the tiny run's length: LayerDrop until step 5
     expected = sum(4 - len(blocks_to_drop(step, micro, args.seed, schedule_at(step, args, D12).layerdrop, 4))
                    for step in range(6) for micro in range(2))
     assert len(calls) == expected < 6 * 2 * 4
@@ -134,7 +134,7 @@ def test_a_compiled_layerdrop_run_compiles_each_block_and_the_head_loss_and_trai
     import train_gpt2
     compiled, real_compile = [], torch.compile
     monkeypatch.setattr(train_gpt2.torch, "compile", lambda fn, **kw: compiled.append(fn) or real_compile(fn, **kw))
-    extra = ["--layerdrop", "0.5", "--layerdrop_iters", "6", "--val_loss_every", "0"]
+    extra = ["--layerdrop", "0.5", "--val_loss_every", "0"]
     assert main(tiny_run_args(shards, tmp_path, "eager", "--no-compile", *extra)) == 0
     assert compiled == []
     assert main(tiny_run_args(shards, tmp_path, "compiled", "--compile", *extra)) == 0

@@ -476,7 +476,7 @@ def test_a_signal_during_the_compile_warm_up_stops_it_at_once(tmp_path, shards, 
 
 
 # One graph for the model, or (LayerDrop) one per block and one for the head's loss.
-@pytest.mark.parametrize("extra", [(), ("--layerdrop", "0.5", "--layerdrop_iters", "4")])
+@pytest.mark.parametrize("extra", [(), ("--layerdrop", "0.5")])
 def test_compile_reaches_every_graph_with_the_inductor_settings_asked_for(tmp_path, shards, capsys, monkeypatch,
                                                                             extra):
     import torch._inductor.config as inductor_config
@@ -507,8 +507,7 @@ def test_nothing_compiles_after_the_warm_up_under_layerdrop(tmp_path, shards, ca
     # A step that drops a block leaves a shape's matrices without gradients, and Muon updates that shape eagerly;
     # its compiled update must still be built in the warm-up, not in the first timed step that drops nothing.
     counter, after_warm_up = count_compiles(monkeypatch)
-    code, _, _ = run(capsys, shards, tmp_path, "run", "--compile", "--optimizer", "muon", "--layerdrop", "0.9",
-                     "--layerdrop_iters", "6")
+    code, _, _ = run(capsys, shards, tmp_path, "run", "--compile", "--optimizer", "muon", "--layerdrop", "0.9")
     assert code == 0 and after_warm_up[0] > 0
     assert counter.frame_count == after_warm_up[0]
 
@@ -646,8 +645,7 @@ def test_unknown_model_suggests_close_names(tmp_path, shards, capsys):
     (["--overtime_steps", "-1"], "--overtime_steps -1 must be >= 0"),
     (["--curriculum_iters", "9"], "--curriculum_iters 9: pass the step (1 to --num_iterations 6)"),
     (["--lr_schedule", "one_cycle", "--warmup_iters", "0"], "--lr_schedule one_cycle rises over --warmup_iters"),
-    (["--layerdrop", "1.0", "--layerdrop_iters", "3"], "--layerdrop 1.0 is a probability"),
-    (["--layerdrop", "0.2"], "--layerdrop and --layerdrop_iters go together"),
+    (["--layerdrop", "1.0"], "--layerdrop 1.0 is a probability"),
     (["--val_sequence_length", "2048"], "--val_sequence_length 2048 exceeds the model's block_size"),
     (["--val_sequence_length", "1536", "--block_size", "2048"],
      "--val_sequence_length 1536: rows longer than NoCap's 1024 must be a multiple of it"),
