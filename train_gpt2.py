@@ -2827,9 +2827,9 @@ class WarmdownPlan(NamedTuple):
 
 
 def constant_phase_fit(evaluations: list, args) -> tuple[float, float, float] | None:
-    """stable_fit of the evaluations from a quarter of the last one's step on, after the warmup."""
-    last = evaluations[-1][0]
-    return stable_fit([(lr_area(s, args), loss) for s, loss in evaluations if s >= max(args.warmup_iters, last / 4, 1)])
+    """stable_fit of every evaluation after the warmup: the whole constant phase, so that a few noisy points late
+    on a flat stretch cannot tip the fit to a curve that never reaches the target."""
+    return stable_fit([(lr_area(s, args), loss) for s, loss in evaluations if s >= max(args.warmup_iters, 1)])
 
 
 def warmdown_plan(evaluations: list, args) -> WarmdownPlan | None:

@@ -46,6 +46,16 @@ def test_the_warmdown_starts_at_the_first_evaluation_whose_prediction_reaches_th
     assert plan.predicted == pytest.approx(ends_at(200), abs=1e-6)
 
 
+def test_two_noisy_evaluations_late_on_do_not_tip_the_plan():
+    # Sparse evaluations as --val_loss_every auto spaces them; the last two read 0.05 and 0.08 high, as a flat,
+    # noisy stretch at the peak lr does. The fit of the whole constant phase still finds the target near the
+    # clean curve's start (a fit of its last three quarters reads "not within the run").
+    args = schedule(target_val_loss=4.25)
+    clean = [(s, curve(s, args)) for s in (50, 100, 150, 200, 400, 430, 620, 650)]
+    noisy = clean[:6] + [(620, clean[6][1] + 0.05), (650, clean[7][1] + 0.08)]
+    assert warmdown_plan(clean, args).start < warmdown_plan(noisy, args).start < 1.15 * warmdown_plan(clean, args).start
+
+
 def test_a_target_the_longest_run_cannot_reach_keeps_the_fixed_schedule():
     args = schedule(target_val_loss=2.0)
     evaluations = [(s, curve(s, args)) for s in range(25, 1001, 25)]
