@@ -1,5 +1,5 @@
 """--val_loss_every auto: evaluations sparse far from the target and dense near it, planned from the
-evaluations alone (so a resumed run keeps the plan)."""
+evaluations alone (so a resumed run keeps the plan), in bf16 until the loss nears the target."""
 import json
 import math
 import os
@@ -7,9 +7,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, make_shards, read_metrics, tiny_run_args
+import torch
+from conftest import REPO, SMALL_VOCAB, make_shards, read_metrics, tiny_run_args
 
-from train_gpt2 import AUTO_EVAL_CLOSEST, AUTO_EVAL_FARTHEST, AUTO_EVAL_FIRST, chord_crossing, main, next_evaluation
+from train_gpt2 import (AUTO_EVAL_CLOSEST, AUTO_EVAL_FARTHEST, AUTO_EVAL_FIRST, SCOUT_MARGIN, ValidationSet,
+                        chord_crossing, evaluate, main, model_from_checkpoint, next_evaluation)
 
 
 def test_the_first_evaluation_comes_early_and_a_flat_curve_gets_the_longest_gap():
@@ -77,6 +79,35 @@ def test_a_run_evaluates_where_the_plan_says_and_a_resumed_run_keeps_the_plan(tm
     assert code == 0 and resumed == [e for e in straight if e[0] > 12]  # its own directory logs those after 12
 
 
+def test_far_from_the_target_evaluations_scout_in_bf16_and_the_target_is_judged_in_fp32(tmp_path, capsys, monkeypatch):
+    import train_gpt2
+    monkeypatch.setattr(train_gpt2.os, "remove", lambda path: None)  # a checkpoint at every step
+    code, _, out = run_auto(capsys, tmp_path, "scouts", "--save_every", "1")
+    records = [r for r in read_metrics(tmp_path / "scouts") if "val_loss" in r]
+    scouts = [r for r in records if r.get("val_dtype") == "bf16"]
+    assert code == 0 and len(scouts) >= 3 and all(r["val_loss"] > 0.5 + SCOUT_MARGIN for r in scouts)
+    assert records[-1]["val_loss"] <= 0.5 and "val_dtype" not in records[-1]  # judged in fp32 (--val_dtype)
+    assert f"step:{scouts[0]['step']}/40 | val loss {scouts[0]['val_loss']:.6f} | train_time" in out
+    assert "| scout: bf16 | plan: next evaluation at step" in out
+    cpu = torch.device("cpu")
+    val = ValidationSet(str(tmp_path / "cyclic" / "syn_val_*.bin"), 256, 2, 32, 0, 1, SMALL_VOCAB, cpu)
+    for record in records:  # each is the loss of its step's model in the precision it names
+        model, _ = model_from_checkpoint(str(tmp_path / "scouts" / f"ckpt_{record['step']:06d}.pt"), cpu)
+        dtype = record.get("val_dtype", "fp32")
+        assert record["val_loss"] == pytest.approx(evaluate(model, val, 1, dtype), abs=1e-7)
+        assert dtype == "fp32" or abs(record["val_loss"] - evaluate(model, val, 1, "fp32")) > 1e-6
+    # Once an evaluation comes within the margin, the rest are judged in fp32 directly (no bf16 pass first).
+    monkeypatch.setattr(train_gpt2, "SCOUT_MARGIN", 0.01)  # wide enough for this run's dense steps to land in it
+    precisions = []
+    monkeypatch.setattr(train_gpt2, "evaluate", lambda *a, **k: precisions.append(a[3]) or evaluate(*a, **k))
+    run_auto(capsys, tmp_path, "near", "--target_val_loss", "0.1")
+    near = [r for r in read_metrics(tmp_path / "near") if "val_loss" in r]
+    first_near = next(i for i, r in enumerate(near) if r["val_loss"] <= 0.1 + 0.01)
+    assert len(near) - first_near >= 2 and not any("val_dtype" in r for r in near[first_near:])
+    assert near[first_near]["val_loss"] > 0.1  # the scout there was scored again, in fp32, and the run went on
+    assert precisions == ["bf16"] * (first_near + 1) + ["fp32"] * (len(near) - first_near)
+
+
 def test_a_schedule_that_ends_above_the_target_trains_on_under_the_plan_until_it_is_reached(tmp_path, capsys):
     # 6 steps end above 0.5; overtime evaluates where the plan says, then stops at the first evaluation under it.
     code, evaluations, out = run_auto(capsys, tmp_path, "over", "--num_iterations", "6", "--warmdown_iters", "2",
@@ -85,7 +116,8 @@ def test_a_schedule_that_ends_above_the_target_trains_on_under_the_plan_until_it
     summary = json.loads((tmp_path / "over" / "summary.json").read_text())
     assert summary["status"] == "reached_target" and summary["steps"] > 6
     assert [loss <= 0.5 for _, loss in evaluations].index(True) == len(evaluations) - 1  # stops at the first
-    assert 6 in [step for step, _ in evaluations]  # the schedule's end is judged
+    assert 6 in [step for step, _ in evaluations]  # the schedule's end is judged, in fp32
+    assert "val_dtype" not in next(r for r in read_metrics(tmp_path / "over") if "val_loss" in r and r["step"] == 6)
     for i, (step, _) in enumerate(evaluations):
         if step != 6:
             assert step == next_evaluation(evaluations[:i], 0.5, 6)

@@ -201,7 +201,7 @@ def test_bad_target_schedules_are_refused(tmp_path, capsys, flags, error):
 
 
 def test_the_val_line_says_the_prediction_until_the_warmdown_is_chosen():
-    run = SimpleNamespace(args=schedule(val_loss_every=25), evaluations=[(100, 5.0)], warmdown=None,
+    run = SimpleNamespace(args=schedule(val_loss_every=25), evaluations=[(100, 5.0)], warmdown=None, scouted=False,
                           plan=WarmdownPlan(predicted=4.61234, start=612.4))
     assert plan_text(run) == (" | plan: a warmdown from here would end near 4.6123; one that ends at the target "
                               "starts near step 612")
