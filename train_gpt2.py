@@ -2726,8 +2726,8 @@ SCOUT_MARGIN = 0.002
 
 def evaluate_and_record(run: Run, step: int, stop: StopSignal, judged: bool) -> tuple[float | None, float]:
     """The model's loss after `step` steps on the run's validation rows, written to metrics.jsonl: (the loss,
-    seconds); (None, seconds) when a signal cut it short. A scout's where the run may scout and `judged` (a step
-    the target must be judged at) does not rule it out."""
+    seconds); (None, seconds) when a signal cut it short. A scout's, in bf16, while --val_loss_every auto finds
+    every evaluation far from the target and the step is not `judged` (one the target must be judged at)."""
     t0 = time.perf_counter()
     args, near = run.args, run.args.target_val_loss + SCOUT_MARGIN
 
@@ -2738,8 +2738,8 @@ def evaluate_and_record(run: Run, step: int, stop: StopSignal, judged: bool) -> 
     scouting = (args.val_loss_every == "auto" and args.val_dtype != "bf16" and not judged
                 and all(loss > near for _, loss in run.evaluations))
     val_loss = score("bf16") if scouting else None
-    run.scouted = val_loss is not None and val_loss > near
-    if not run.scouted and not (scouting and val_loss is None):
+    run.scouted, cut_short = val_loss is not None and val_loss > near, scouting and val_loss is None
+    if not run.scouted and not cut_short:  # judged here: scored (again) in --val_dtype
         val_loss = score(args.val_dtype)
     eval_s = time.perf_counter() - t0
     if val_loss is not None:

@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -106,6 +107,18 @@ def test_far_from_the_target_evaluations_scout_in_bf16_and_the_target_is_judged_
     assert len(near) - first_near >= 2 and not any("val_dtype" in r for r in near[first_near:])
     assert near[first_near]["val_loss"] > 0.1  # the scout there was scored again, in fp32, and the run went on
     assert precisions == ["bf16"] * (first_near + 1) + ["fp32"] * (len(near) - first_near)
+
+
+@pytest.mark.parametrize("judged", [False, True])
+def test_an_evaluation_cut_short_by_a_signal_records_nothing_and_is_not_scored_again(monkeypatch, judged):
+    import train_gpt2
+    precisions = []
+    monkeypatch.setattr(train_gpt2, "evaluate", lambda model, val, world, dtype, interrupted: precisions.append(dtype))
+    run = SimpleNamespace(args=SimpleNamespace(val_loss_every="auto", val_dtype="fp32", target_val_loss=3.0),
+                          evaluations=[(10, 5.0)], eval_model=None, val=None, env=SimpleNamespace(world_size=1),
+                          scouted=False)
+    assert train_gpt2.evaluate_and_record(run, 20, stop=None, judged=judged)[0] is None  # no log written to
+    assert precisions == (["fp32"] if judged else ["bf16"]) and run.evaluations == [(10, 5.0)]
 
 
 def test_a_schedule_that_ends_above_the_target_trains_on_under_the_plan_until_it_is_reached(tmp_path, capsys):
