@@ -198,8 +198,8 @@ def add_schedule_flags(g):
     g.add_argument("--cooldown_drop", type=float, default=0.2,
                    help="--lr_schedule target: the loss a warmdown is expected to take off the constant phase's "
                         "curve extended by the warmdown's learning-rate area, until the warmdown's own evaluations "
-                        "read it and re-aim its end (P100 reads 0.20-0.30 for d12_fast's 25%% warmdown, 0.14-0.20 "
-                        "for d12's 21.5%%; higher starts the warmdown earlier)")
+                        "read it and re-aim its end (P100: 0.20-0.24 for d12_fast's 25%% warmdown, growing with "
+                        "the run's length; higher starts the warmdown earlier)")
     g.add_argument("--warmup_iters", type=int, default=256, help="linear warmup steps")
     g.add_argument("--warmdown_iters", type=int, default=1024, help="linear decay-to-zero steps at the end")
     g.add_argument("--layerdrop", type=float, default=0.0,
@@ -2640,10 +2640,9 @@ def warm_up_compile(run: Run) -> float:
         notice(f"torch.compile split the training step at {breaks} graph break(s); TORCH_LOGS=graph_breaks "
                f"names them")
     run.eval_model.eval()
-    scouts = run.args.val_loss_every == "auto" and run.args.val_dtype != "bf16"
     with torch.no_grad():  # the evaluation graphs, each in its precision
         for val, dtype in ((run.val, run.args.val_dtype), (run.nocap_val, run.args.val_dtype),
-                           (run.val if scouts else None, "bf16")):
+                           (run.val if scouts(run.args) else None, "bf16")):
             if val is not None:
                 x, y = next(iter(val))
                 with precision(run.env.device, dtype):
@@ -2724,6 +2723,12 @@ class StopSignal:
 SCOUT_MARGIN = 0.002
 
 
+def scouts(args) -> bool:
+    """Whether evaluations far from the target may be scouts (in bf16): --val_loss_every auto, judged in another
+    precision."""
+    return args.val_loss_every == "auto" and args.val_dtype != "bf16"
+
+
 def evaluate_and_record(run: Run, step: int, stop: StopSignal, judged: bool) -> tuple[float | None, float]:
     """The model's loss after `step` steps on the run's validation rows, written to metrics.jsonl: (the loss,
     seconds); (None, seconds) when a signal cut it short. A scout's, in bf16, while --val_loss_every auto finds
@@ -2735,8 +2740,7 @@ def evaluate_and_record(run: Run, step: int, stop: StopSignal, judged: bool) -> 
         return evaluate(run.eval_model, run.val, run.env.world_size, dtype,
                         interrupted=lambda: agree(run.env, stop.signum)[0] > 0)
 
-    scouting = (args.val_loss_every == "auto" and args.val_dtype != "bf16" and not judged
-                and all(loss > near for _, loss in run.evaluations))
+    scouting = scouts(args) and not judged and all(loss > near for _, loss in run.evaluations)
     val_loss = score("bf16") if scouting else None
     run.scouted, cut_short = val_loss is not None and val_loss > near, scouting and val_loss is None
     if not run.scouted and not cut_short:  # judged here: scored (again) in --val_dtype
