@@ -191,15 +191,17 @@ def add_schedule_flags(g):
                    help="trapezoid: NoCap's linear warmup, constant, linear warmdown; one_cycle: a cosine rise "
                         "from peak/25 over --warmup_iters, then a cosine fall to --lr_floor x peak at "
                         "--num_iterations (torch's OneCycleLR; --warmdown_iters unused); target: the trapezoid "
-                        "sized by the run, its warmdown (the same fraction of the run as --warmdown_iters of "
-                        "--num_iterations) starting at the first evaluation where the constant phase's curve says "
-                        "a warmdown started there ends at --target_val_loss, its end moved out where its own "
-                        "evaluations read a smaller drop; --num_iterations is the longest run, overtime the fallback")
+                        "sized by the run, its warmdown (the fraction of the run --warmdown_iters is of "
+                        "--num_iterations, at most half) starting at the first evaluation where the constant "
+                        "phase's curve says a warmdown started there ends at --target_val_loss, its end moved out "
+                        "where its own evaluations read a smaller drop; --num_iterations is the longest run, "
+                        "overtime the fallback")
     g.add_argument("--cooldown_drop", type=float, default=0.2,
                    help="--lr_schedule target: the loss a warmdown is expected to take off the constant phase's "
                         "curve extended by the warmdown's learning-rate area, until the warmdown's own evaluations "
-                        "read it and re-aim its end (P100: 0.20-0.24 for d12_fast's 25%% warmdown, growing with "
-                        "the run's length; higher starts the warmdown earlier)")
+                        "read it and re-aim its end (P100, d12_fast from a constant-lr run: 0.30-0.31 for "
+                        "half-run warmdowns, 0.20-0.24 for quarter-run ones; higher starts the warmdown earlier, "
+                        "which costs less than starting it late)")
     g.add_argument("--warmup_iters", type=int, default=256, help="linear warmup steps")
     g.add_argument("--warmdown_iters", type=int, default=1024, help="linear decay-to-zero steps at the end")
     g.add_argument("--layerdrop", type=float, default=0.0,
@@ -362,10 +364,10 @@ def check_run_flags(args):
 def check_target_schedule(args):
     if args.target_val_loss <= 0:
         raise InputError("--lr_schedule target sizes the run to --target_val_loss; pass a target > 0")
-    if not 0 < args.warmdown_iters < args.num_iterations - args.warmup_iters:
+    if not (args.warmdown_iters > 0 and args.warmup_iters < warmdown_start(args)):
         raise InputError(f"--lr_schedule target needs a constant phase to read the curve from and a warmdown: "
-                         f"pass 0 < --warmdown_iters < --num_iterations - --warmup_iters (e.g. a quarter of "
-                         f"--num_iterations {args.num_iterations})")
+                         f"pass --warmdown_iters > 0 and a --warmup_iters that ends before step "
+                         f"{warmdown_start(args)}, where the latest warmdown starts")
     if not 0 <= args.cooldown_drop < math.inf:
         raise InputError(f"--cooldown_drop {args.cooldown_drop} must be a finite loss >= 0 (e.g. 0.2)")
     if args.lr_floor >= 1:
@@ -1612,8 +1614,15 @@ def lr_scale(step: int, args, warmdown: tuple | None = None) -> float:
         return cosine_between(1.0, args.lr_floor, min(1.0, (step - peak_step) / (last_step - peak_step)))
     if step < args.warmup_iters:
         return (step + 1) / args.warmup_iters
-    return warmdown_lr(step, warmdown or ((args.num_iterations - args.warmdown_iters, args.num_iterations),),
-                       args.lr_floor)
+    return warmdown_lr(step, warmdown or ((warmdown_start(args), args.num_iterations),), args.lr_floor)
+
+
+def warmdown_start(args) -> int:
+    """The first step of the schedule's own warmdown, the last --warmdown_iters steps; --lr_schedule target's at
+    the latest halfway, so that the run reads a constant phase as long as the warmdown it sizes from it."""
+    warmdown = min(args.warmdown_iters, args.num_iterations // 2) if args.lr_schedule == "target" \
+        else args.warmdown_iters
+    return args.num_iterations - warmdown
 
 
 def warmdown_lr(step: int, legs: tuple, floor: float) -> float:
@@ -2838,8 +2847,8 @@ def stable_fit(points: list) -> tuple[float, float, float] | None:
 
 def warmdown_steps(start: int, args) -> int:
     """--lr_schedule target: the warmdown from step `start`, the fraction of the run --warmdown_iters is of
-    --num_iterations."""
-    fraction = args.warmdown_iters / args.num_iterations
+    --num_iterations, at most half."""
+    fraction = 1 - warmdown_start(args) / args.num_iterations
     return max(1, round(start * fraction / (1 - fraction)))
 
 
@@ -2865,7 +2874,7 @@ def warmdown_plan(evaluations: list, args) -> WarmdownPlan | None:
     """The prediction from the constant phase's evaluations so far; None with too few of them or once the fixed
     schedule's warmdown is due. A warmdown started at step s ends at the curve's loss at s's area plus the
     warmdown's, less --cooldown_drop."""
-    last, latest = evaluations[-1][0], args.num_iterations - args.warmdown_iters  # the fixed schedule's warmdown
+    last, latest = evaluations[-1][0], warmdown_start(args)  # the fixed schedule's warmdown
     fit = constant_phase_fit(evaluations, args) if last < latest else None
     if fit is None:
         return None
@@ -2900,7 +2909,7 @@ def planned_warmdown(evaluations: list, args) -> Warmdown | None:
     the constant phase whose prediction reaches the target, and each later evaluation before its end re-aims it
     (reaimed: out, where the drop read so far needs longer to reach the target); None while not chosen. A function
     of the evaluations alone, so that a resumed run keeps the plan."""
-    latest, warmdown = args.num_iterations - args.warmdown_iters, None
+    latest, warmdown = warmdown_start(args), None
     for i, (step, _) in enumerate(evaluations):
         if warmdown is None and step < latest:
             plan = warmdown_plan(evaluations[:i + 1], args)

@@ -134,7 +134,8 @@ def test_speedrun_sh_fetches_the_shards_the_recipe_and_its_overtime_read(tmp_pat
     assert setup == f"setup {math.ceil(tokens / 100e6)}" and tokens <= 100e6 * int(setup.split()[1])
     # One GPU: the trainer itself, so signals and exit codes pass straight through; more: torchrun.
     assert launch.startswith("python3 train_gpt2.py --model d12_fast") and launch.endswith("--batch_size 16")
-    assert "--val_loss_every auto" in launch  # the cadence from the curve, which a flag given after it overrides
+    # The schedule and the cadence from the curve, which flags given after them override.
+    assert "--lr_schedule target --val_loss_every auto" in launch
     _, calls = run_stubbed(tmp_path, path, "speedrun.sh", NPROC="2")
     assert calls[1].startswith("torchrun --standalone --nproc_per_node=2 train_gpt2.py --model d12_fast")
 

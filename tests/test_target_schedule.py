@@ -46,6 +46,25 @@ def test_the_warmdown_starts_at_the_first_evaluation_whose_prediction_reaches_th
     assert plan.predicted == pytest.approx(ends_at(200), abs=1e-6)
 
 
+def test_the_warmdown_is_at_most_as_long_as_the_constant_phase_before_it():
+    # A recipe whose fixed warmdown spans the whole run (d12_fast's): the run sizes a warmdown as long as the
+    # steps before it, and keeps the peak rate until halfway while it has not chosen one.
+    args = schedule(warmup_iters=0, warmdown_iters=1000)
+    assert warmdown_steps(300, args) == 300 and warmdown_steps(300, schedule(warmdown_iters=400)) == 200
+    assert lr_scale(500, args) == 1.0 > lr_scale(501, args)
+    assert lr_scale(1, schedule(warmup_iters=0, warmdown_iters=1000, lr_schedule="trapezoid")) < 1.0
+    evaluations = [(s, curve(s, args)) for s in range(25, 525, 25)]
+    assert planned_warmdown(evaluations, args).legs[0] == (475, 950)  # started by step 500, the latest start
+    assert warmdown_plan(evaluations, args) is None  # the latest start has passed: nothing left to plan
+
+
+def test_d12_fasts_recipe_sizes_itself_from_a_half_run_warmdown():
+    from train_gpt2 import check_run_flags, parse_args
+    args = parse_args(["--model", "d12_fast", "--lr_schedule", "target"])
+    check_run_flags(args)  # its whole-run decay is a valid target schedule: half of it
+    assert (args.cooldown_drop, warmdown_steps(2000, args)) == (0.3, 2000)
+
+
 def test_two_noisy_evaluations_late_on_do_not_tip_the_plan():
     # Sparse evaluations as --val_loss_every auto spaces them; the last two read 0.05 and 0.08 high, as a flat,
     # noisy stretch at the peak lr does. The fit of the whole constant phase still finds the target near the
@@ -185,7 +204,7 @@ def test_a_warmdown_chosen_too_early_trains_on_until_the_target(tmp_path, capsys
 @pytest.mark.parametrize("flags, error", [
     (["--target_val_loss", "0"], "--lr_schedule target sizes the run to --target_val_loss"),
     (["--warmdown_iters", "0"], "--lr_schedule target needs a constant phase to read the curve from"),
-    (["--warmdown_iters", "60"], "--lr_schedule target needs a constant phase to read the curve from"),
+    (["--warmup_iters", "45"], "--lr_schedule target needs a constant phase to read the curve from"),
     (["--cooldown_drop", "-1"], "--cooldown_drop -1.0 must be a finite loss >= 0"),
     (["--lr_floor", "1", "--overtime_steps", "9"], "--lr_schedule target needs a warmdown that decays"),
     (["--lr_floor", "0", "--overtime_steps", "9"], "--lr_schedule target trains on where its warmdown ends above"),
