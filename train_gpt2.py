@@ -1605,7 +1605,7 @@ def lr_scale(step: int, args, warmdown: tuple | None = None) -> float:
     """Step `step`'s learning rate as a multiple of each group's peak. trapezoid (NoCap's): linear warmup,
     constant, a linear warmdown over the last warmdown_iters steps to lr_floor (NoCap: 0), where it stays (in
     overtime); target: the trapezoid with the warmdown the run chose, `warmdown` = its legs (warmdown_lr), or
-    --num_iterations' until it chooses. one_cycle: torch's OneCycleLR, cosine from 1/25 to 1 at step
+    the latest one (warmdown_start) until it chooses. one_cycle: torch's OneCycleLR, cosine from 1/25 to 1 at step
     warmup_iters - 1, then down to lr_floor at step num_iterations - 1, where it stays."""
     if args.lr_schedule == "one_cycle":
         peak_step, last_step = args.warmup_iters - 1, args.num_iterations - 1
@@ -2871,10 +2871,10 @@ def constant_phase_fit(evaluations: list, args) -> tuple[float, float, float] | 
 
 
 def warmdown_plan(evaluations: list, args) -> WarmdownPlan | None:
-    """The prediction from the constant phase's evaluations so far; None with too few of them or once the fixed
-    schedule's warmdown is due. A warmdown started at step s ends at the curve's loss at s's area plus the
+    """The prediction from the constant phase's evaluations so far; None with too few of them or once the latest
+    warmdown (warmdown_start) is due. A warmdown started at step s ends at the curve's loss at s's area plus the
     warmdown's, less --cooldown_drop."""
-    last, latest = evaluations[-1][0], warmdown_start(args)  # the fixed schedule's warmdown
+    last, latest = evaluations[-1][0], warmdown_start(args)  # the latest warmdown start
     fit = constant_phase_fit(evaluations, args) if last < latest else None
     if fit is None:
         return None
