@@ -2764,9 +2764,11 @@ def evaluate_and_record(run: Run, step: int, stop: StopSignal, judged: bool) -> 
     return val_loss, eval_s
 
 
-# --val_loss_every auto, in fractions of the schedule: the first evaluation; the longest gap, so that the plan is
-# never long stale; the shortest, which bounds how far past the target a run stops (0.4% of the schedule).
-AUTO_EVAL_FIRST, AUTO_EVAL_FARTHEST, AUTO_EVAL_CLOSEST = 1 / 32, 1 / 8, 1 / 256
+# --val_loss_every auto, in fractions of the schedule: the first evaluation (the fourth, from which
+# --lr_schedule target fits its curve, follows at ~6%: where the warmdown of a run ~1/8 as long as the longest must
+# start); the longest gap, so that the plan is never long stale; the shortest, which bounds how far past the target
+# a run stops (0.4% of the schedule).
+AUTO_EVAL_FIRST, AUTO_EVAL_FARTHEST, AUTO_EVAL_CLOSEST = 1 / 48, 1 / 8, 1 / 256
 
 
 def evaluation_due(run: Run, step: int) -> bool:

@@ -16,11 +16,24 @@ from train_gpt2 import (AUTO_EVAL_CLOSEST, AUTO_EVAL_FARTHEST, AUTO_EVAL_FIRST, 
 
 
 def test_the_first_evaluation_comes_early_and_a_flat_curve_gets_the_longest_gap():
-    assert next_evaluation([], target=3.0, num_iterations=1000) == round(1000 * AUTO_EVAL_FIRST) == 31
+    assert next_evaluation([], target=3.0, num_iterations=1000) == round(1000 * AUTO_EVAL_FIRST) == 21
     farthest = 1000 * AUTO_EVAL_FARTHEST
-    assert next_evaluation([(31, 5.0)], 3.0, 1000) == 31 + farthest  # one point gives no trend
+    assert next_evaluation([(21, 5.0)], 3.0, 1000) == 21 + farthest  # one point gives no trend
     assert next_evaluation([(31, 5.0), (156, 5.0)], 3.0, 1000) == 156 + farthest  # not falling: no crossing
     assert next_evaluation([(31, 5.0), (156, 5.1)], 3.0, 1000) == 156 + farthest
+
+
+def test_the_target_schedule_can_fit_its_curve_by_six_percent_of_the_run():
+    # Until the curve is fitted (four evaluations), --lr_schedule target aims each evaluation one first-gap past the
+    # last (evaluation_aim). A run an eighth as long as the longest starts a half-run warmdown at 1/16 of it: the
+    # fourth evaluation must come before that.
+    evaluations = []
+    for _ in range(4):
+        last = evaluations[-1][0] if evaluations else 0
+        aim = last + 3052 * AUTO_EVAL_FIRST if evaluations else None
+        evaluations.append((next_evaluation(evaluations, 3.0, 3052, aim), 5.0))
+    assert [s for s, _ in evaluations] == [64, 102, 140, 178]
+    assert evaluations[-1][0] < 3052 / 16
 
 
 def test_the_next_evaluation_goes_60_percent_of_the_way_to_the_chords_crossing():
