@@ -744,6 +744,8 @@ if triton is not None:
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
+        if i == j:  # a dot need not sum x_a x_b and x_b x_a in one order: the mean is symmetric on any backend
+            acc = (acc + acc.T) * 0.5
         acc = acc * alpha
         if ADDED:
             acc += beta * tl.reshape(added_desc.load([matrix, i * BLOCK, j * BLOCK]), (BLOCK, BLOCK)).to(tl.float32)
