@@ -141,11 +141,18 @@ def test_speedrun_sh_fetches_the_shards_the_recipe_and_its_overtime_read(tmp_pat
 
 
 def test_baseline_sh_trains_d12_with_nocaps_flags_and_refuses_another_model(tmp_path):
+    from train_gpt2 import check_run_flags, parse_args
     path = stub_repo(tmp_path, "baseline.sh", "train.sh")
     result, (setup, launch) = run_stubbed(tmp_path, path, "baseline.sh", "--run_name", "b")
     assert result.returncode == 0, result.stderr
-    assert setup == "setup 25" and "--model d12 " in launch and launch.endswith("--warmup_iters 256 "
-                                                                               "--warmdown_iters 1024 --run_name b")
+    assert "--model d12 " in launch and launch.endswith("--warmup_iters 256 --warmdown_iters 1024 --lr_schedule "
+                                                        "target --val_loss_every auto --lr_floor 0.1 "
+                                                        "--overtime_steps 1192 --run_name b")
+    # NoCap's steps are the longest run; the shards hold them and the overtime after them.
+    args = parse_args(launch.split()[2:])
+    check_run_flags(args)
+    tokens = (args.num_iterations + args.overtime_steps) * args.batch_size * args.grad_accumulation_steps * 1024
+    assert setup == f"setup {math.ceil(tokens / 100e6)}" == "setup 32"
     for flags in (["--model", "d12_nocap"], ["--model=d12_nocap"]):
         result, calls = run_stubbed(tmp_path, path, "baseline.sh", *flags)
         assert result.returncode == 2 and calls == []  # nothing set up or trained
