@@ -12,7 +12,7 @@ import torch
 from conftest import REPO, SMALL_VOCAB, make_shards, read_metrics, tiny_run_args
 
 from train_gpt2 import (AUTO_EVAL_CLOSEST, AUTO_EVAL_FARTHEST, AUTO_EVAL_FIRST, SCOUT_MARGIN, ValidationSet,
-                        chord_crossing, evaluate, main, model_from_checkpoint, next_evaluation)
+                        chord_crossing, evaluate, evaluation_aim, main, model_from_checkpoint, next_evaluation)
 
 
 def test_the_first_evaluation_comes_early_and_a_flat_curve_gets_the_longest_gap():
@@ -27,11 +27,11 @@ def test_the_target_schedule_can_fit_its_curve_by_six_percent_of_the_run():
     # Until the curve is fitted (four evaluations), --lr_schedule target aims each evaluation one first-gap past the
     # last (evaluation_aim). A run an eighth as long as the longest starts a half-run warmdown at 1/16 of it: the
     # fourth evaluation must come before that.
-    evaluations = []
+    run = SimpleNamespace(args=SimpleNamespace(lr_schedule="target", num_iterations=3052), evaluations=[],
+                          warmdown=None, plan=None)
     for _ in range(4):
-        last = evaluations[-1][0] if evaluations else 0
-        aim = last + 3052 * AUTO_EVAL_FIRST if evaluations else None
-        evaluations.append((next_evaluation(evaluations, 3.0, 3052, aim), 5.0))
+        run.evaluations.append((next_evaluation(run.evaluations, 3.0, 3052, evaluation_aim(run)), 5.0))
+    evaluations = run.evaluations
     assert [s for s, _ in evaluations] == [64, 102, 140, 178]
     assert evaluations[-1][0] < 3052 / 16
 
