@@ -2728,8 +2728,8 @@ class StopSignal:
 # runs, about an eighth of fp32's time on an H200 for a loss within 1e-4 of it (d12_fast, d12). The target is
 # judged in --val_dtype only: at the schedule's end, at the last step, and at once again at the step of a scout
 # that comes within SCOUT_MARGIN of it, after which the evaluations stay in --val_dtype. A bf16 error past the
-# margin could only stop a run one evaluation later, never early; a wider margin re-scores the scout before the
-# crossing more often (an fp32 pass, ~8 bf16 scouts, that cannot stop the run).
+# margin could only stop a run one evaluation later, never early; a wider one re-scores more scouts too far above
+# the target to cross it (an fp32 pass takes ~8 scouts' time).
 SCOUT_MARGIN = 0.0005
 
 

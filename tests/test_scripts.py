@@ -151,7 +151,8 @@ def test_baseline_sh_trains_d12_with_nocaps_flags_and_refuses_another_model(tmp_
     # NoCap's steps are the longest run; the shards hold them and the overtime after them.
     args = parse_args(launch.split()[2:])
     check_run_flags(args)
-    tokens = (args.num_iterations + args.overtime_steps) * args.batch_size * args.grad_accumulation_steps * 1024
+    rows = (args.num_iterations + args.overtime_steps) * args.batch_size * args.grad_accumulation_steps
+    tokens = rows * args.sequence_length
     assert setup == f"setup {math.ceil(tokens / 100e6)}" == "setup 32"
     for flags in (["--model", "d12_nocap"], ["--model=d12_nocap"]):
         result, calls = run_stubbed(tmp_path, path, "baseline.sh", *flags)
