@@ -1541,7 +1541,6 @@ def muon_params(model: GPT) -> list[nn.Parameter]:
     return [p for p in hidden if id(p) not in excluded]
 
 
-
 def make_optimizer(model: GPT, args, device: torch.device, compiled: bool = False) -> Optimizers:
     """The optimizers of args.optimizer; compiled: Muon's update is compiled too."""
     adamw = dict(betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
