@@ -273,7 +273,7 @@ def test_longer_validation_rows_decide_the_target_and_nocaps_rows_are_scored_bes
     assert (summary["final_val_loss"], summary["final_val_loss_1024"]) == (evals[-1]["val_loss"],
                                                                            nocap[0]["val_loss_1024"])
     assert f"final_val_loss_1024: {summary['final_val_loss_1024']:.4f}" in out
-    assert "(1024-token rows: " in out
+    assert "(1024-token rows: " in out and "val_dtype" not in nocap[0]  # no scouts: in --val_dtype (fp32)
     # The two numbers are the final weights' losses on the same tokens in 2048- and in 1024-token rows.
     model, _ = model_from_checkpoint(str(next(run.glob("ckpt_*.pt"))), torch.device("cpu"))
     val_bin = shards[1]
@@ -285,6 +285,21 @@ def test_longer_validation_rows_decide_the_target_and_nocaps_rows_are_scored_bes
                               "--val_batch_size", "1", "--val_tokens", "4096")) == 0
     assert not any("val_loss_1024" in m for m in read_metrics(tmp_path / "nocap"))
     assert "final_val_loss_1024" not in json.loads((tmp_path / "nocap" / "summary.json").read_text())
+
+
+def test_where_evaluations_scout_nocaps_rows_are_scored_as_a_scout_in_bf16(tmp_path, shards, capsys):
+    import sys
+    sys.path.insert(0, str(REPO / "scripts"))
+    from eval_checkpoint import score
+    assert main(tiny_run_args(shards, tmp_path, "auto", "--block_size", "2048", "--val_sequence_length", "2048",
+                              "--val_batch_size", "1", "--val_tokens", "4096", "--val_loss_every", "auto",
+                              "--target_val_loss", "0.01")) == 0
+    assert "(1024-token rows, bf16: " in capsys.readouterr().out
+    nocap = [m for m in read_metrics(tmp_path / "auto") if "val_loss_1024" in m]
+    assert [m["val_dtype"] for m in nocap] == ["bf16"]
+    model, _ = model_from_checkpoint(str(next((tmp_path / "auto").glob("ckpt_*.pt"))), torch.device("cpu"))
+    assert nocap[0]["val_loss_1024"] == pytest.approx(score(model, shards[1], 4096, 2, 1024, "bf16"), abs=1e-6)
+    assert abs(nocap[0]["val_loss_1024"] - score(model, shards[1], 4096, 2, 1024, "fp32")) > 1e-6
 
 
 @pytest.mark.parametrize("target, overtime, ends_at", [("100", "0", 0),  # at the target: at once
