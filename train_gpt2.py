@@ -236,7 +236,8 @@ def add_evaluation_flags(p: argparse.ArgumentParser):
     g.add_argument("--val_sequence_length", type=_parse_val_rows, default=None,
                    help="tokens per validation row (default: NoCap's 1024, or --sequence_length if shorter), or "
                         "'train': the training rows. Longer rows (a multiple of 1024) decide the target; NoCap's "
-                        "rows of the same tokens are scored once, where the run stops (val_loss_1024)")
+                        "rows of the same tokens are scored once, where the run stops (val_loss_1024; in bf16 "
+                        "where evaluations scout)")
     g.add_argument("--target_val_loss", type=float, default=NOCAP_TARGET_VAL_LOSS,
                    help="stop at the first evaluation at or below this (0 disables)")
     g.add_argument("--overtime_steps", type=int, default=0,

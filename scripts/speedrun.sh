@@ -5,8 +5,8 @@
 # 10,000 steps of 65,536 tokens (0.66B tokens), then up to 5,000 overtime steps at the final learning rate if the
 # warmdown ends above the target (--lr_schedule trapezoid: the recipe's fixed 10,000 steps). The run stops at the
 # first evaluation at or under the target, scored on rows of 4096 tokens of NoCap's validation tokens (NoCap's
-# 1024-token rows are scored where it stops). Evaluations follow the loss curve (--val_loss_every auto): sparse
-# far from the target and in bf16 there, dense near it and in fp32, the precision the target is judged in. Extra
+# 1024-token rows are scored, in bf16, where it stops). Evaluations follow the loss curve (--val_loss_every auto):
+# sparse far from the target and in bf16 there, dense near it and in fp32, the precision the target is judged in. Extra
 # flags are passed on (e.g. --batch_size 8 on a card with less memory: two micro-batches, the same tokens per
 # step and the same training); flags that lengthen the run read past the downloaded shards (the trainer says
 # so), so fetch more first: python data/fineweb.py -n N.
