@@ -109,12 +109,13 @@ def kernel_runs(path: str, device: torch.device) -> bool:
 #   grad[i] = sum over m of weights[m] * (softmax(z[i, :vocab]) - one_hot(targets[i, m])) * dz/dlogits
 #             (no term for an ignored target; 0 in the padded columns), in the logits' dtype
 # losses has the targets' shape. The mean's 1/count is left to the caller, which folds it into the products
-# that consume grad.
+# that consume grad. An evaluation asks for the losses alone (with_grad=False: no gradient, grad None) and the
+# exact tanh (fast_tanh=False: the approximate one's error would sit in every loss it compares).
 
 
 def softcap_cross_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap: float,
-                                weights: torch.Tensor | None = None,
-                                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                weights: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                                with_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The contract above in torch ops, computed in at least fp32. Returns (losses in at least fp32, grad)."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if cap:
@@ -130,6 +131,8 @@ def softcap_cross_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, voc
     valid = columns != -1
     safe_targets = columns.clamp(min=0)
     losses = (lse - z.gather(1, safe_targets)) * valid
+    if not with_grad:
+        return losses.view(targets.shape), None
     weights = torch.ones(columns.size(1), dtype=z.dtype, device=z.device) if weights is None else weights.to(z.dtype)
     target_weights = weights * valid  # (N, M): an ignored target weighs nothing
     hits = torch.zeros_like(z).scatter_add_(1, safe_targets, target_weights)
@@ -140,25 +143,28 @@ def softcap_cross_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, voc
 
 
 def softcap_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int, cap: float,
-                          weights: torch.Tensor | None = None,
-                          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          weights: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                          with_grad: bool = True, fast_tanh: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The contract above: the Triton kernel where it runs (see triton_runs_on), else the torch version."""
     if not triton_runs_on(logits.device):
-        return softcap_cross_entropy_torch(logits, targets, vocab, cap, weights, bias)
+        return softcap_cross_entropy_torch(logits, targets, vocab, cap, weights, bias, with_grad)
     N, width = logits.shape
     columns = targets.view(N, -1).contiguous()  # the kernel steps along rows and targets by 1
     n_targets = columns.size(1)
     weights = (torch.ones(n_targets, device=logits.device) if weights is None else weights).float().contiguous()
     logits = logits.contiguous()
     losses = torch.empty(N, n_targets, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
-    grad = torch.empty_like(logits)
+    grad = torch.empty_like(logits) if with_grad else None
     # One program per row, the row in blocks of 2048 columns, 4 warps: within 0.05 ms of the fastest of
     # 1,024-4,096 columns x 2-8 warps on an H100.
-    # Without a bias the kernel is built without its loads; the pointer it is given is never read.
+    # Without a bias (or a gradient) the kernel is built without its loads (stores); the pointer it is given is
+    # never read.
     bias = logits if bias is None else bias.float().contiguous()
-    _softcap_cross_entropy_rows[(N,)](logits, grad, columns, weights, bias, losses, logits.stride(0), grad.stride(0),
-                                      vocab, width, CAP=float(cap), FAST_TANH=logits.device.type == "cuda",
-                                      HAS_BIAS=bias is not logits, N_TARGETS=n_targets,
+    grad_out = logits if grad is None else grad
+    _softcap_cross_entropy_rows[(N,)](logits, grad_out, columns, weights, bias, losses, logits.stride(0),
+                                      grad_out.stride(0), vocab, width, CAP=float(cap),
+                                      FAST_TANH=fast_tanh and logits.device.type == "cuda", HAS_BIAS=bias is not logits,
+                                      N_TARGETS=n_targets, WITH_GRAD=with_grad,
                                       BLOCK=min(2048, triton.next_power_of_2(width)), num_warps=4)
     return losses.view(targets.shape), grad
 
@@ -192,7 +198,7 @@ if triton is not None:
     def _softcap_cross_entropy_rows(logits_ptr, grad_ptr, targets_ptr, weights_ptr, bias_ptr, losses_ptr,
                                     logits_stride, grad_stride, vocab, width, CAP: tl.constexpr,
                                     FAST_TANH: tl.constexpr, HAS_BIAS: tl.constexpr, N_TARGETS: tl.constexpr,
-                                    BLOCK: tl.constexpr):
+                                    WITH_GRAD: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         logits_row = logits_ptr + row * logits_stride
         grad_row = grad_ptr + row * grad_stride
@@ -219,20 +225,21 @@ if triton is not None:
             target_z = _biased(target_z, bias_ptr, column, True, HAS_BIAS)
             tl.store(losses_ptr + row * N_TARGETS + m, tl.where(valid, lse - target_z, 0.0))
             row_weight += tl.where(valid, tl.load(weights_ptr + m), 0.0)
-        # Pass 2: the gradient. This program read the row a moment ago, so it comes from L2.
-        for start in range(0, width, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            in_vocab = cols < vocab
-            x = tl.load(logits_row + cols, mask=in_vocab, other=0.0).to(tl.float32)
-            z, squashed = _softcap(x, CAP, FAST_TANH)
-            z = _biased(z, bias_ptr, cols, in_vocab, HAS_BIAS)
-            g = tl.exp(z - lse) * row_weight
-            for m in tl.static_range(N_TARGETS):  # an ignored target (-1) matches no column
-                g -= tl.where(cols == tl.load(targets_row + m), tl.load(weights_ptr + m), 0.0)
-            if CAP > 0:
-                g = g * (1.0 - squashed * squashed)
-            g = tl.where(in_vocab, g, 0.0)
-            tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < width)
+        if WITH_GRAD:
+            # Pass 2: the gradient. This program read the row a moment ago, so it comes from L2.
+            for start in range(0, width, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                in_vocab = cols < vocab
+                x = tl.load(logits_row + cols, mask=in_vocab, other=0.0).to(tl.float32)
+                z, squashed = _softcap(x, CAP, FAST_TANH)
+                z = _biased(z, bias_ptr, cols, in_vocab, HAS_BIAS)
+                g = tl.exp(z - lse) * row_weight
+                for m in tl.static_range(N_TARGETS):  # an ignored target (-1) matches no column
+                    g -= tl.where(cols == tl.load(targets_row + m), tl.load(weights_ptr + m), 0.0)
+                if CAP > 0:
+                    g = g * (1.0 - squashed * squashed)
+                g = tl.where(in_vocab, g, 0.0)
+                tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < width)
 
 
 # -----------------------------------------------------------------------------
@@ -867,7 +874,7 @@ class HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, targets, weights, cap: float, dtype: torch.dtype, bias: torch.Tensor | None = None):
         V = w.size(0)
-        h_c, w_c = h.to(dtype), F.pad(w.to(dtype), (0, 0, 0, -V % 64))
+        h_c, w_c = padded_operands(h, w, dtype)
         logits = h_c @ w_c.t()
         counts = (targets != -1).sum(dim=0)  # (M,)
         weights = weights.to(torch.promote_types(logits.dtype, torch.float32))
@@ -893,6 +900,20 @@ class HeadCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         return ((grad_h * grad_objective).to(ctx.dtypes[0]), (grad_w * grad_objective).to(ctx.dtypes[1]),
                 None, None, None, None, None)
+
+
+def padded_operands(h: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's product's operands in `dtype`: h, and w with zero rows to a multiple of 64 (HeadCrossEntropy)."""
+    return h.to(dtype), F.pad(w.to(dtype), (0, 0, 0, -w.size(0) % 64))
+
+
+def head_losses(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, cap: float,
+                dtype: torch.dtype) -> torch.Tensor:
+    """HeadCrossEntropy's forward for an evaluation: each position's cross-entropy (N,), in fp32, of the softcapped
+    logits h (N, d) @ w (V, d).T in `dtype` against targets (N,), -1 ignored (0 there). The products on the padded
+    vocabulary and one read of the logits, without a gradient, with the exact tanh."""
+    h_c, w_c = padded_operands(h, w, dtype)
+    return softcap_cross_entropy(h_c @ w_c.t(), targets, w.size(0), cap, with_grad=False, fast_tanh=False)[0]
 
 
 class ReLU2MLP(torch.autograd.Function):

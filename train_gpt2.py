@@ -987,7 +987,9 @@ class GPT(nn.Module):
         """head_loss over h (..., n_embd) and targets (...) with one sample's draws (vocab,): the softmax is over
         its columns only (sampled_softmax_columns), and the loss is that softmax's estimate; the logits at hand
         are the full softmax's, so they go unused. A pass that builds a gradient takes HeadCrossEntropy under
-        fused_kernels (the same math, fewer passes over the logits), unless the logits are at hand."""
+        fused_kernels (the same math, fewer passes over the logits), unless the logits are at hand; so does a bf16
+        evaluation, without the gradient (kernels.head_losses: a scout's pass in ~0.9x the time). An fp32 one,
+        which judges the target, keeps the plain head's math."""
         c = self.config
         weight, bias = self.lm_head.weight, None
         if sample is not None:
@@ -999,6 +1001,12 @@ class GPT(nn.Module):
                                                          torch.ones(1, device=h.device), c.logit_softcap,
                                                          compute_dtype(h), bias)
             return loss, means[0]
+        evaluating_in_bf16 = sample is None and compute_dtype(h) == torch.bfloat16
+        if logits is None and c.fused_kernels and evaluating_in_bf16 and kernels.kernel_runs("head loss", h.device):
+            losses = kernels.head_losses(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1), c.logit_softcap,
+                                         torch.bfloat16)
+            loss = losses.sum() / (targets != -1).sum()
+            return loss, loss.detach()
         if logits is None:
             logits = self.logits(h, weight)
             if bias is not None:

@@ -105,11 +105,20 @@ def test_fused_head_loss_trains_like_the_plain_head_and_only_where_a_gradient_is
     assert calls == [torch.bfloat16] * 2  # the fused model's next-token and MTP losses; none for the plain model
     for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=0.05, atol=2e-3, msg=name)
-    # Evaluation builds no gradient: the plain head. Asking for the logits needs them: the next-token
-    # loss takes the plain head, the MTP loss (whose logits are never returned) still the fused one.
+    # Evaluation builds no gradient: in fp32 (the target's judgment) the plain head, in bf16 the head's losses
+    # alone (kernels.head_losses), the plain head's loss to rounding. Asking for the logits needs them: the
+    # next-token loss takes the plain head, the MTP loss (whose logits are never returned) still the fused one.
+    heads, head_losses = [], kernels.head_losses
+    monkeypatch.setattr(kernels, "head_losses", lambda *a: heads.append(a[4]) or head_losses(*a))
     with torch.no_grad():
         fused(idx, targets, return_logits=False)
-    assert len(calls) == 2
+        assert len(calls) == 2 and heads == []
+        plain.eval(), fused.eval()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want, got = plain(idx, targets, return_logits=False)[1], fused(idx, targets, return_logits=False)[1]
+    assert len(calls) == 2 and heads == [torch.bfloat16]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    fused.train()
     fused(idx, targets)
     assert len(calls) == 3
 

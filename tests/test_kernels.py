@@ -150,12 +150,16 @@ def test_triton_kernel_matches_the_torch_version_under_the_interpreter(tmp_path)
         cases.append((cap, vocab, logits, targets, target_weights(n_targets), None if bias is None else bias.float()))
     results = under_interpreter(tmp_path, cases, """
         assert kernels.INTERPRETING and kernels.triton_runs_on(torch.device("cpu"))
-        out = [kernels.softcap_cross_entropy(l, t, v, c, w, b) for c, v, l, t, w, b in inputs]
+        out = [(kernels.softcap_cross_entropy(l, t, v, c, w, b),
+                kernels.softcap_cross_entropy(l, t, v, c, w, b, with_grad=False, fast_tanh=False))
+               for c, v, l, t, w, b in inputs]
     """)
-    for (cap, vocab, logits, targets, weights, bias), (losses, grad) in zip(cases, results):
+    for (cap, vocab, logits, targets, weights, bias), ((losses, grad), (alone, no_grad)) in zip(cases, results):
         want_losses, want_grad = kernels.softcap_cross_entropy_torch(logits, targets, vocab, cap, weights, bias)
         assert losses.dtype == torch.float32 and losses.shape == targets.shape and grad.dtype == logits.dtype
         torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=2e-5)
+        # An evaluation's call: the same losses, no gradient.
+        assert no_grad is None and torch.equal(alone, losses)
         # bf16: the interpreter and torch may round the same fp32 value to neighbouring bf16 numbers.
         atol = 1e-6 if logits.dtype == torch.float32 else 2 ** -8
         torch.testing.assert_close(grad.float(), want_grad.float(), rtol=0, atol=atol)
@@ -166,16 +170,20 @@ def test_triton_kernel_matches_the_torch_version_under_the_interpreter(tmp_path)
 @pytest.mark.parametrize("arch", [80, 86, 89, 90])  # A100 / RTX 3090 / RTX 4090 / H100
 @pytest.mark.parametrize("cap", [0.0, 15.0])
 @pytest.mark.parametrize("biased", [False, True])
-def test_triton_kernel_compiles_for_each_gpu_generation_with_the_fast_tanh(arch, cap, biased):
+@pytest.mark.parametrize("training", [True, False])
+def test_triton_kernel_compiles_for_each_gpu_generation_with_the_fast_tanh(arch, cap, biased, training):
     # The CUDA build of the kernel (tanh.approx, which the interpreter cannot run) compiled to PTX without
-    # a GPU: a kernel that does not compile, or a softcap that is not the single instruction, fails here.
+    # a GPU: a kernel that does not compile, or a softcap that is not the single instruction, fails here. An
+    # evaluation's build (no gradient, the exact tanh) stores no gradient and has no tanh.approx.
     signature = {"logits_ptr": "*bf16", "grad_ptr": "*bf16", "targets_ptr": "*i64", "weights_ptr": "*fp32",
                  "bias_ptr": "*fp32", "losses_ptr": "*fp32", "logits_stride": "i32", "grad_stride": "i32",
                  "vocab": "i32", "width": "i32"}
-    constexprs = {"CAP": cap, "FAST_TANH": True, "HAS_BIAS": biased, "N_TARGETS": 3, "BLOCK": 2048}
+    constexprs = {"CAP": cap, "FAST_TANH": training, "HAS_BIAS": biased, "N_TARGETS": 3, "WITH_GRAD": training,
+                  "BLOCK": 2048}
     ptx = cuda_build(kernels._softcap_cross_entropy_rows, signature, constexprs, arch, num_warps=4).asm["ptx"]
     assert f".target sm_{arch}" in ptx
-    assert ("tanh.approx.f32" in ptx) == bool(cap)
+    assert ("tanh.approx.f32" in ptx) == (bool(cap) and training)
+    assert ("st.global.b16" in ptx) == training  # the bf16 gradient's stores (the fp32 losses' are b32)
 
 
 # --- the product with ReLU² in its epilogue ------------------------------------------------------------------
