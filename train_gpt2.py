@@ -988,7 +988,7 @@ class GPT(nn.Module):
         its columns only (sampled_softmax_columns), and the loss is that softmax's estimate; the logits at hand
         are the full softmax's, so they go unused. A pass that builds a gradient takes HeadCrossEntropy under
         fused_kernels (the same math, fewer passes over the logits), unless the logits are at hand; so does a bf16
-        evaluation, without the gradient (kernels.head_losses: a scout's pass in ~0.9x the time). An fp32 one,
+        evaluation, without the gradient (kernels.head_losses: a scout's pass in 0.93x the time). An fp32 one,
         which judges the target, keeps the plain head's math."""
         c = self.config
         weight, bias = self.lm_head.weight, None
@@ -2733,12 +2733,13 @@ class StopSignal:
 
 
 # --val_loss_every auto scouts where the loss is far from the target: it evaluates in bf16 autocast, as training
-# runs, about an eighth of fp32's time on an H200 for a loss within 1e-4 of it (d12_fast, d12). The target is
-# judged in --val_dtype only: at the schedule's end, at the last step, and at once again at the step of a scout
-# that comes within SCOUT_MARGIN of it, after which the evaluations stay in --val_dtype. A bf16 error past the
-# margin could only stop a run one evaluation later, never early; a wider one re-scores more scouts too far above
-# the target to cross it (an fp32 pass takes ~8 scouts' time).
-SCOUT_MARGIN = 0.0005
+# runs, about a ninth of fp32's time on an H200. The target is judged in --val_dtype only: at the schedule's end, at
+# the last step, and at once again at the step of a scout that comes within SCOUT_MARGIN of it, after which the
+# evaluations stay in --val_dtype. A scout reads -0.3e-4 to +1.2e-4 above fp32 (d12_fast, 49 evaluations of two
+# runs; d12: +0.5e-4): past the margin, a bf16 error could only stop a run one evaluation later, never early,
+# while a wider margin re-scores more scouts too far above the target to cross it (an fp32 pass takes ~9 scouts'
+# time).
+SCOUT_MARGIN = 0.0002
 
 
 def scouts(args) -> bool:
