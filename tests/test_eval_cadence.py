@@ -101,6 +101,7 @@ def test_far_from_the_target_evaluations_scout_in_bf16_and_the_target_is_judged_
     scouts = [r for r in records if r.get("val_dtype") == "bf16"]
     assert code == 0 and len(scouts) >= 3 and all(r["val_loss"] > 0.5 + SCOUT_MARGIN for r in scouts)
     assert records[-1]["val_loss"] <= 0.5 and "val_dtype" not in records[-1]  # judged in fp32 (--val_dtype)
+    assert "scout_val_loss" in records[-1]  # after a scout within the margin
     assert f"step:{scouts[0]['step']}/40 | val loss {scouts[0]['val_loss']:.6f} | train_time" in out
     assert "| scout: bf16 | plan: next evaluation at step" in out
     cpu = torch.device("cpu")
@@ -110,6 +111,8 @@ def test_far_from_the_target_evaluations_scout_in_bf16_and_the_target_is_judged_
         dtype = record.get("val_dtype", "fp32")
         assert record["val_loss"] == pytest.approx(evaluate(model, val, 1, dtype), abs=1e-7)
         assert dtype == "fp32" or abs(record["val_loss"] - evaluate(model, val, 1, "fp32")) > 1e-6
+        if "scout_val_loss" in record:  # a scout within the margin, judged again: both kept
+            assert record["scout_val_loss"] == pytest.approx(evaluate(model, val, 1, "bf16"), abs=1e-7)
     # Once an evaluation comes within the margin, the rest are judged in fp32 directly (no bf16 pass first).
     monkeypatch.setattr(train_gpt2, "SCOUT_MARGIN", 0.01)  # wide enough for this run's dense steps to land in it
     precisions = []
@@ -119,6 +122,9 @@ def test_far_from_the_target_evaluations_scout_in_bf16_and_the_target_is_judged_
     first_near = next(i for i, r in enumerate(near) if r["val_loss"] <= 0.1 + 0.01)
     assert len(near) - first_near >= 2 and not any("val_dtype" in r for r in near[first_near:])
     assert near[first_near]["val_loss"] > 0.1  # the scout there was scored again, in fp32, and the run went on
+    scout = near[first_near]["scout_val_loss"]
+    assert scout <= 0.1 + 0.01 and scout != near[first_near]["val_loss"]
+    assert not any("scout_val_loss" in r for r in near[first_near + 1:])  # judged directly: no scout
     assert precisions == ["bf16"] * (first_near + 1) + ["fp32"] * (len(near) - first_near)
 
 
