@@ -294,7 +294,9 @@ RECIPES: dict[str, dict] = {
         # rows it ends where the 1024-token recipe does.
         # One micro-batch a step: its fixed costs (weight casts, launches, the sum of two micro-batches'
         # gradients) once, 3% more tokens/s than two of 8 rows, which train the same and need less memory.
-        sequence_length=4096, batch_size=16, val_sequence_length="train", val_batch_size=4,
+        # Validation batches as large: bf16 passes 3-5% faster than in batches of 4 rows (fp32 2%), within the step's
+        # peak memory.
+        sequence_length=4096, batch_size=16, val_sequence_length="train", val_batch_size=16,
         # The local layers attend within 64 tokens first, doubling to the full 256 at 65.6% of the steps: fewer
         # tokens to the same loss, at the cost of compiling each of the three windows.
         window_iters=6560,

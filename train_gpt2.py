@@ -745,7 +745,10 @@ class MLP(nn.Module):
         self.fused = config.fused_kernels and self.act == "relu2"
 
     def forward(self, x):
-        if self.fused and self.training:
+        # ReLU² in the first product's epilogue wherever the products are 16-bit, a bf16 evaluation's too (one pass
+        # over the (tokens, hidden) activations less); an fp32 evaluation, which judges the target, keeps the plain
+        # products.
+        if self.fused and (self.training or compute_dtype(x).itemsize == 2):
             return kernels.ReLU2MLP.apply(x, self.c_fc.weight, self.c_proj.weight, compute_dtype(x),
                                           kernels.kernel_runs("relu2 MLP", x.device))
         return self.c_proj(mlp_activation(self.c_fc(x), self.act))

@@ -42,7 +42,7 @@ def spy_on_relu2_products(monkeypatch) -> list[bool]:
     return calls
 
 
-def test_fused_relu2_trains_with_autograds_gradients_and_evaluates_the_plain_mlp(monkeypatch):
+def test_fused_relu2_trains_with_autograds_gradients_and_evaluates_in_bf16_only(monkeypatch):
     calls = spy_on_relu2_products(monkeypatch)
     torch.manual_seed(0)
     fused, plain = MLP(with_overrides(TINY, mlp_act="relu2", fused_kernels=True)).double(), MLP(
@@ -57,9 +57,14 @@ def test_fused_relu2_trains_with_autograds_gradients_and_evaluates_the_plain_mlp
     for got, want in ((x_fused.grad, x_plain.grad), (fused.c_fc.weight.grad, plain.c_fc.weight.grad),
                       (fused.c_proj.weight.grad, plain.c_proj.weight.grad)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    fused.eval()
-    torch.testing.assert_close(fused(x), plain(x), rtol=0, atol=0)
-    assert calls == [True, False]  # evaluation: the plain products
+    fused.eval(), plain.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), plain(x), rtol=0, atol=0)
+        assert calls == [True, False]  # an fp32 evaluation (the target's judgment): the plain products
+        fused.float(), plain.float()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # a bf16 one: the epilogue's, the same values
+            torch.testing.assert_close(fused(x.float()), plain(x.float()), rtol=0, atol=0)
+    assert calls == [True, False, True]
 
 
 def test_compiled_fused_relu2_mlp_is_one_graph_and_equals_eager():

@@ -832,7 +832,7 @@ def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
     d12, fast = parse_args([]), parse_args(["--model", "d12_fast"])
     assert (d12.optimizer, d12.learning_rate, d12.total_batch_size) == ("adamw", 0.0018, None)
     assert (fast.optimizer, fast.total_batch_size, fast.batch_size, fast.lr_floor) == ("muon", 65536, 16, 0.1)
-    assert (fast.sequence_length, val_row_length(fast), fast.val_batch_size) == (4096, 4096, 4)
+    assert (fast.sequence_length, val_row_length(fast), fast.val_batch_size) == (4096, 4096, 16)
     shorter = parse_args(["--model", "d12_fast", "--sequence_length", "1024", "--batch_size", "32"])
     assert val_row_length(shorter) == 1024  # validated on the rows it trains on
     assert (fast.warmdown_iters, fast.num_iterations, fast.normuon_beta2, fast.cautious_weight_decay) == (
