@@ -250,23 +250,23 @@ VARIANTS: dict[str, GPTConfig] = {
 # Training settings a variant brings along: train_gpt2.py takes them as its flag defaults when --model
 # names the variant, and flags given on the command line still win. Keys are the trainer's flag names.
 RECIPES: dict[str, dict] = {
-    # FineWeb schedule, sized in docs/RESULTS.md: at most 10,000 steps of 65,536 tokens (0.66B), the upper end of
-    # the FineWeb tokens to val <= 3.3821 that the proxy's calibration on public records reads for d12_fast
-    # (0.31-0.51B, each x/÷1.24), then up to 5,000 overtime steps at the final lr (0.98B in all). The run stops at
-    # the first evaluation under the target. As a fixed schedule the lr decays linearly to 10% over the whole run:
-    # one longer than needed then crosses a target sooner, as the loss falls with the lr (P100: 1.5x too long
-    # crosses 6-15% later, 0.75x too short 28% later). speedrun.sh has the run size it (--lr_schedule target): a
-    # warmdown as long as the steps before it, started where the constant phase's curve says it ends at the target.
+    # The main job as it stands: `--model d12_fast` alone trains to val <= 3.3821 and stops there. The run sizes
+    # itself (lr_schedule target): the lr stays at the peak until the constant phase's curve says a warmdown as
+    # long as the steps before it ends at the target, within at most 10,000 steps of 65,536 tokens (0.66B, the upper
+    # end of the FineWeb tokens the proxy's calibration reads for d12_fast), then up to 5,000 overtime steps at the
+    # final lr (0.98B in all). Evaluations follow the curve (val_loss_every auto): sparse and in bf16 far from the
+    # target, dense near it. The fixed schedule the proxy forms run (lr_schedule trapezoid, val_loss_every 312)
+    # decays the lr linearly to 10% over the whole run, 32 evaluations a schedule.
     # 65,536 tokens per step (one micro-batch of 16 rows of 4096): half the tokens of 262,144 to the same loss, for 2%
-    # fewer tokens/s. Muon's momentum warms up over the first 15% of the steps; evaluations every 312 steps
-    # (20.4M tokens), 32 a schedule (speedrun.sh plans them from the curve instead: --val_loss_every auto).
+    # fewer tokens/s. Muon's momentum warms up over the first 15% of the steps.
     # muon_lr 0.03 and learning_rate 0.008 beat 1.5x up and down on P100; the other values follow the
     # modded-nanogpt lineage. The head, tied to the input embedding as in every variant, trains at learning_rate;
     # embed_lr is the value-embedding tables' (a flag, not the recipe's).
     "d12_fast": dict(
         optimizer="muon", muon_lr=0.03, muon_momentum_warmup=1500, learning_rate=0.008, embed_lr=0.3,
         scalar_lr=0.04, weight_decay=0.0, total_batch_size=65536, num_iterations=10000,
-        warmup_iters=0, warmdown_iters=10000, lr_floor=0.1, val_loss_every=312, overtime_steps=5000,
+        warmup_iters=0, warmdown_iters=10000, lr_floor=0.1, overtime_steps=5000, lr_schedule="target",
+        val_loss_every="auto",
         # --lr_schedule target's prior for what the half-run warmdown takes off the constant phase's curve (P100:
         # 0.30-0.31 from a constant-lr run); it starts the warmdown early rather than late, and the warmdown's
         # own evaluations move its end out where they read less.

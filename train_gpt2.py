@@ -364,7 +364,8 @@ def check_run_flags(args):
 
 def check_target_schedule(args):
     if args.target_val_loss <= 0:
-        raise InputError("--lr_schedule target sizes the run to --target_val_loss; pass a target > 0")
+        raise InputError("--lr_schedule target sizes the run to --target_val_loss; pass a target > 0, or run a "
+                         "fixed schedule: --lr_schedule trapezoid --val_loss_every N")
     if not (args.warmdown_iters > 0 and args.warmup_iters < warmdown_start(args)):
         raise InputError(f"--lr_schedule target needs a constant phase to read the curve from and a warmdown: "
                          f"pass --warmdown_iters > 0 and a --warmup_iters that ends before step "
@@ -932,6 +933,7 @@ def sampled_softmax_columns(targets: torch.Tensor, sample: SoftmaxSample, vocab:
 MTP_WEIGHT = 0.3  # the extra targets' mean loss in the training objective (DeepSeek-V3 starts at 0.3)
 CONSISTENCY_WEIGHT = 1.0  # token dropout's consistency term (R-Drop's weight for language modeling)
 MOE_AUX_WEIGHT = 0.01  # the load-balancing loss's weight (the Switch Transformer's)
+EVALUATION_CHUNK = 8192  # positions an evaluation scores at once: 8192 x 50,304 fp32 logits are 1.6 GiB
 
 
 class GPT(nn.Module):
@@ -990,9 +992,8 @@ class GPT(nn.Module):
         """head_loss over h (..., n_embd) and targets (...) with one sample's draws (vocab,): the softmax is over
         its columns only (sampled_softmax_columns), and the loss is that softmax's estimate; the logits at hand
         are the full softmax's, so they go unused. A pass that builds a gradient takes HeadCrossEntropy under
-        fused_kernels (the same math, fewer passes over the logits), unless the logits are at hand; so does a bf16
-        evaluation, without the gradient (kernels.head_losses: a scout's pass in 0.93x the time). An fp32 one,
-        which judges the target, keeps the plain head's math."""
+        fused_kernels (the same math, fewer passes over the logits), unless the logits are at hand; a pass without
+        one is an evaluation (evaluation_loss)."""
         c = self.config
         weight, bias = self.lm_head.weight, None
         if sample is not None:
@@ -1004,18 +1005,34 @@ class GPT(nn.Module):
                                                          torch.ones(1, device=h.device), c.logit_softcap,
                                                          compute_dtype(h), bias)
             return loss, means[0]
-        evaluating_in_bf16 = sample is None and compute_dtype(h) == torch.bfloat16
-        if logits is None and c.fused_kernels and evaluating_in_bf16 and kernels.kernel_runs("head loss", h.device):
-            losses = kernels.head_losses(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1), c.logit_softcap,
-                                         torch.bfloat16)
-            loss = losses.sum() / (targets != -1).sum()
-            return loss, loss.detach()
+        if logits is None and sample is None and not torch.is_grad_enabled():
+            loss = self.evaluation_loss(h, targets)
+            return loss, loss
         if logits is None:
             logits = self.logits(h, weight)
             if bias is not None:
                 logits = logits + bias
         loss = cross_entropy(logits, targets)
         return loss, loss.detach()
+
+    def evaluation_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of the head over h (..., n_embd) against targets (...), -1 ignored, without a
+        gradient, EVALUATION_CHUNK positions at a time: an evaluation never holds more of its logits than that (a
+        batch of 16 rows of 4096 at once would hold 12.3 GiB of them in fp32, more than training's whole step). A
+        bf16 pass under fused_kernels scores each chunk in kernels.head_losses (one read of its logits); an fp32
+        one, which judges the target, keeps the plain head's math."""
+        c = self.config
+        h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
+        fused = c.fused_kernels and compute_dtype(h) == torch.bfloat16 and kernels.kernel_runs("head loss", h.device)
+        total = torch.zeros((), device=h.device)
+        for start in range(0, h.size(0), EVALUATION_CHUNK):
+            rows, wanted = h[start: start + EVALUATION_CHUNK], targets[start: start + EVALUATION_CHUNK]
+            if fused:
+                total = total + kernels.head_losses(rows, self.lm_head.weight, wanted, c.logit_softcap,
+                                                    torch.bfloat16).sum()
+            else:
+                total = total + F.cross_entropy(self.logits(rows), wanted, ignore_index=-1, reduction="sum").float()
+        return total / (targets != -1).sum()
 
     def forward(self, idx, targets=None, return_logits=True, drop_blocks: tuple[int, ...] = (), local_window: int = 0,
                 sampled_softmax: SoftmaxSample | None = None, token_keep: torch.Tensor | None = None):
@@ -1289,31 +1306,40 @@ class TokenLoader:
 
 
 class ValidationSet:
-    """The first `val_tokens` (+1 for the last target) tokens of the first validation shard, cut into
-    batches of `val_batch_size` rows of T tokens, batch k of rank r at offset (k*world + r)*B*T: exactly
-    the windows NoCap's reset loader visits, so the mean over ranks is the mean over all tokens."""
+    """The first `val_tokens` (+1 for the last target) tokens of the first validation shard as rows of T tokens,
+    in rounds of `val_batch_size` rows per process: in round k rank r scores the rows from (k*world + r)*B on,
+    exactly the windows NoCap's reset loader visits. Where the rows do not fill the last round, it is smaller (a
+    process may have no rows in it), so that the same tokens are scored whatever the batch."""
 
     def __init__(self, pattern: str, val_tokens: int, B: int, T: int, rank: int, world_size: int,
                  vocab_size: int, device: torch.device):
-        tokens_per_round = B * T * world_size
-        if val_tokens % tokens_per_round:
-            raise InputError(f"--val_tokens {val_tokens:,} is not a multiple of val_batch_size*val_sequence_length"
-                             f"*world_size = {tokens_per_round:,}; change --val_tokens or --val_batch_size")
+        if val_tokens % T:
+            raise InputError(f"--val_tokens {val_tokens:,} is not a whole number of validation rows of {T:,} tokens; "
+                             f"pass a multiple of {T:,} (e.g. {max(T, val_tokens // T * T):,})")
         path = match_shards(pattern, "--input_val_bin")[0]
         available = read_shard_header(path)
         if available < val_tokens + 1:
             raise InputError(f"{path}: {available:,} tokens, fewer than --val_tokens {val_tokens:,} + 1; "
                              "lower --val_tokens or use a longer validation shard")
         tokens = torch.from_numpy(load_shard(path, vocab_size, count=val_tokens + 1).astype(np.int64))
-        self.steps = val_tokens // tokens_per_round
-        starts = [(k * world_size + rank) * B * T for k in range(self.steps)]
-        # Kept on the device: 1M tokens is 8 MB, and evaluation then never waits on the host.
-        self.batches = [tokens[s: s + B * T + 1].to(device) for s in starts]
-        self.B, self.T = B, T
+        rows, round_rows = val_tokens // T, B * world_size
+        self.steps = -(-rows // round_rows)  # rounds: every process takes part in each, so that all stop together
+        first_rows = [k * round_rows + rank * B for k in range(self.steps)]
+        # Kept on the device: 1M tokens is 8 MB, and evaluation then never waits on the host. None: no rows here.
+        self.batches = [tokens[first * T: min(first + B, rows) * T + 1].to(device) if first < rows else None
+                        for first in first_rows]
+        self.T, self.total_tokens = T, val_tokens
 
     def __iter__(self):
+        """Each round's (inputs, targets) of this process, (R, T) each, or None where it has no rows."""
         for window in self.batches:
-            yield window[:-1].view(self.B, self.T), window[1:].view(self.B, self.T)
+            yield None if window is None else (window[:-1].view(-1, self.T), window[1:].view(-1, self.T))
+
+    def shapes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One batch of each shape this process scores (the full rounds', a smaller last round's): what a compiled
+        evaluation must be built for."""
+        batches = {batch[0].shape: batch for batch in self if batch is not None}
+        return list(batches.values())
 
 
 # =============================================================================
@@ -1333,19 +1359,20 @@ def evaluate(model: nn.Module, val: ValidationSet, world_size: int, dtype: str =
     before each batch, cuts the evaluation short: None instead of a loss."""
     was_training = model.training
     model.eval()
-    total = None
-    for x, y in val:
+    total = torch.zeros((), device=next(model.parameters()).device)  # the loss summed over this process's tokens
+    for batch in val:
         if interrupted is not None and interrupted():
             model.train(was_training)
             return None
-        with precision(x.device, dtype):
-            _, loss, _ = model(x, y, return_logits=False)
-        total = loss.float() if total is None else total + loss.float()
-    mean = total / val.steps
+        if batch is not None:
+            x, y = batch
+            with precision(x.device, dtype):
+                _, loss, _ = model(x, y, return_logits=False)
+            total = total + loss.float() * y.numel()
     if world_size > 1:
-        dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+        dist.all_reduce(total)
     model.train(was_training)
-    return mean.item()
+    return (total / val.total_tokens).item()
 
 
 # =============================================================================
@@ -2663,8 +2690,7 @@ def warm_up_compile(run: Run) -> float:
     with torch.no_grad():  # the evaluation graphs, each in its precision
         for val, dtype in ((run.val, run.args.val_dtype), (run.nocap_val, nocap_rows_dtype(run.args)),
                            (run.val if scouts(run.args) else None, "bf16")):
-            if val is not None:
-                x, y = next(iter(val))
+            for x, y in val.shapes() if val is not None else ():
                 with precision(run.env.device, dtype):
                     run.eval_model(x, y, return_logits=False)
     run.eval_model.train()

@@ -4,7 +4,8 @@
 # trains, NoCap's share; --lr_schedule target) and stops at the first evaluation with val loss <= 3.3821; where its
 # warmdown ends above, it trains on at a tenth of the peak lr for up to 1192 more steps. Extra flags are passed on
 # (e.g. --run_name, or --batch_size 8 --grad_accumulation_steps 64 on a card with less memory); NoCap's fixed
-# schedule: --lr_schedule trapezoid --lr_floor 0 --overtime_steps 0 --val_loss_every 128.
+# schedule: --lr_schedule trapezoid --lr_floor 0 --overtime_steps 0 --val_loss_every 128. SETUP=0 skips the setup
+# (scripts/setup.sh): the machine is ready and the shards are where --input_bin says.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Its flags would override another model's recipe (d12_nocap's warmup, say) without a word.
@@ -15,7 +16,7 @@ for flag in "$@"; do
     exit 2;;
   esac
 done
-bash scripts/setup.sh 32  # (4768 + 1192) x 524,288 tokens
+[ "${SETUP:-1}" = 0 ] || bash scripts/setup.sh 32  # (4768 + 1192) x 524,288 tokens
 exec bash scripts/train.sh \
   --input_bin "data/fineweb10B/fineweb_train_*.bin" --input_val_bin "data/fineweb10B/fineweb_val_*.bin" \
   --output_dir logs --model d12 \

@@ -87,14 +87,15 @@ PROTOCOLS = {
         # As in its recipe, the cooldown takes the whole run and the window warmup the first 66%.
         forms={"d12_fast": dict(batch_size=32, grad_accumulation_steps=1, sequence_length=1024, num_iterations=200,
                                 warmdown_iters=200, muon_momentum_warmup=60, window_iters=131, val_loss_every=20,
-                                val_batch_size=16)}),
+                                val_batch_size=16, lr_schedule="trapezoid")}),
     "P100": Protocol(
         "P100", tuple(f"mix_train_00000{i}.bin" for i in range(1, 6)), (FWTEXTFIXER, FWLEGAL),
         # d12@P100: 762 steps = 99.9M tokens at lr 1.2e-3, the best of 6e-4 / 1.2e-3 / 1.8e-3 (docs/BENCHMARKS.md).
         reference=reference_schedule(762, 1.2e-3),
-        # d12_fast's FineWeb recipe re-sized to 20M tokens: it crosses d12@P100's final loss near 13M.
+        # d12_fast's FineWeb recipe as a fixed schedule (its lr decaying over the whole run, 32 evaluations)
+        # re-sized to 20M tokens: it crosses d12@P100's final loss near 13M.
         # d12_nocap's recipe at d12@P100's tokens (3048 steps of 32,768), 32 evaluations: the measured runs.
-        forms={"d12_fast": dict(budget=20_000_000),
+        forms={"d12_fast": dict(budget=20_000_000, lr_schedule="trapezoid", val_loss_every=312),
                "d12_nocap": dict(batch_size=16, sequence_length=1024, num_iterations=3048, warmup_iters=152,
                                  warmdown_iters=2896, curriculum_iters=608, val_loss_every=94, val_batch_size=16)}),
 }

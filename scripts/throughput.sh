@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # tokens/s of models at their FineWeb defaults, the protocol of docs/RESULTS.md's throughput rows: 40 optimizer
 # steps at each model's own batch (its recipe's: one micro-batch of 16x4096 for d12_fast) on the P40 proxy
-# shards, 4 warmup and 4 cooldown steps, one 16k-token evaluation at the end, no coordinate-descent tuning (a
-# recipe's combo kernels stay), under a GPU memory cap (default 22 GiB: does it fit a 24 GB card?), at the full
-# attention window (a recipe's window warmup off: the run measures the steady state, not its first stage).
+# shards, a fixed schedule of 4 warmup and 4 cooldown steps, one 16k-token evaluation at the end (a recipe's
+# self-sizing schedule and planned evaluations off), no coordinate-descent tuning (a recipe's combo kernels stay),
+# under a GPU memory cap (default 22 GiB: does it fit a 24 GB card?), at the full attention window (a recipe's
+# window warmup off: the run measures the steady state, not its first stage).
 # tokens/s is the trainer's median over steps 11-40, thirty steps, so that an occasional slow step (a host hiccup)
 # moves it little; the compile time is reported beside it, never inside it.
 #   bash scripts/throughput.sh DATA_DIR [MODEL ...] [-- extra train_gpt2.py flags]
@@ -35,8 +36,8 @@ runs=()
 for model in "${models[@]}"; do
   "$PYTHON" train_gpt2.py --model "$model" \
     --input_bin "$data/mix_train_00000[12].bin" --input_val_bin "$data/mix_val_000000.bin" \
-    --num_iterations 40 --warmup_iters 4 --warmdown_iters 4 --val_loss_every 0 --val_tokens 16384 \
-    --target_val_loss 0 --window_iters 0 "${cap[@]}" --compile_tuning "$(compile_tuning "$model")" \
+    --num_iterations 40 --lr_schedule trapezoid --warmup_iters 4 --warmdown_iters 4 --val_loss_every 0 \
+    --val_tokens 16384 --target_val_loss 0 --window_iters 0 "${cap[@]}" --compile_tuning "$(compile_tuning "$model")" \
     --output_dir "$output_dir" --run_name "$model" "$@"
   runs+=("$output_dir/$model")
 done

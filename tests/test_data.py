@@ -3,10 +3,12 @@
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import make_shards
 from data.shards import HEADER_BYTES, SHARD_MAGIC, InputError, load_shard, read_shard_header, write_shard
-from train_gpt2 import TokenLoader, ValidationSet
+from model_variants import GPTConfig
+from train_gpt2 import GPT, TokenLoader, ValidationSet, evaluate
 
 CPU = torch.device("cpu")
 
@@ -173,6 +175,28 @@ def test_validation_errors(tmp_path):
     _, val_glob = make_shards(tmp_path, val_tokens=600)
     with pytest.raises(InputError, match=r"fewer than --val_tokens 1,024 \+ 1"):
         ValidationSet(val_glob, 1024, 2, 16, 0, 1, 256, CPU)
-    with pytest.raises(InputError, match="not a multiple of val_batch_size"):
+    with pytest.raises(InputError, match="not a whole number of validation rows of 16 tokens; pass a multiple of 16 "
+                                         r"\(e.g. 496\)"):
         ValidationSet(val_glob, 500, 2, 16, 0, 1, 256, CPU)
+
+
+def test_validation_tokens_that_do_not_fill_the_last_round_are_scored_in_a_smaller_one(tmp_path):
+    """7 rows in rounds of 2 x 2 processes: rank 0 scores rows 0-1 and 4-5, rank 1 rows 2-3 and 6 (a batch of one
+    row); alone, one process scores every row, its last batch of 1; the loss is the mean over every token."""
+    _, val_glob = make_shards(tmp_path, val_tokens=5000)
+    tokens = load_shard(str(tmp_path / "syn_val_000000.bin"), 256)
+    T = 16
+    rank0, rank1 = (list(ValidationSet(val_glob, 7 * T, 2, T, r, 2, 256, CPU)) for r in (0, 1))
+    assert [x.shape[0] for x, _ in rank0] == [2, 2] and [x.shape[0] for x, _ in rank1] == [2, 1]
+    rows = torch.cat([rank0[0][0], rank1[0][0], rank0[1][0], rank1[1][0]])
+    np.testing.assert_array_equal(rows.flatten().numpy(), tokens[:7 * T])
+    three = ValidationSet(val_glob, 5 * T, 1, T, 2, 3, 256, CPU)  # rounds of 3 rows: rank 2 has none in the last
+    assert [b is None for b in three] == [False, True] and three.steps == 2
+    alone = ValidationSet(val_glob, 7 * T, 4, T, 0, 1, 256, CPU)
+    assert [x.shape[0] for x, _ in alone] == [4, 3] and [x.shape for x, _ in alone.shapes()] == [(4, T), (3, T)]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=256, block_size=T))
+    per_token = torch.cat([F.cross_entropy(model(x, y)[0].flatten(0, 1), y.flatten(), reduction="none")
+                           for x, y in ValidationSet(val_glob, 7 * T, 7, T, 0, 1, 256, CPU)])
+    assert evaluate(model, alone, 1) == pytest.approx(per_token.mean().item(), rel=1e-6)
     assert HEADER_BYTES == 1024

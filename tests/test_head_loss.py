@@ -123,6 +123,31 @@ def test_fused_head_loss_trains_like_the_plain_head_and_only_where_a_gradient_is
     assert len(calls) == 3
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_evaluation_holds_the_logits_of_one_chunk_of_positions_at_a_time(monkeypatch, fused):
+    """fp32 (the plain head) and bf16 under fused_kernels (kernels.head_losses): each scores at most
+    EVALUATION_CHUNK positions at once, and the loss is the full softmax's over every position."""
+    import kernels
+    import train_gpt2
+    monkeypatch.setattr(train_gpt2, "EVALUATION_CHUNK", 7)
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=96, logit_softcap=3.0, fused_kernels=fused)).eval()
+    idx = torch.randint(0, 96, (3, 10))
+    targets = idx.roll(-1, dims=1)
+    targets[0, :4] = -1  # ignored positions count neither in the sum nor in the mean
+    rows, head_losses = [], kernels.head_losses
+    model.lm_head.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0][..., 0].numel()))
+    monkeypatch.setattr(kernels, "head_losses", lambda h, *a: rows.append(h.shape[0]) or head_losses(h, *a))
+    dtype = torch.bfloat16 if fused else torch.float32
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=fused):
+        loss = model(idx, targets, return_logits=False)[1]
+        logits, full = model(idx, targets)[:2]  # asked for, the logits are the whole batch's
+    assert rows[:5] == [7, 7, 7, 7, 2] and rows[5:] == [30]
+    want = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+    assert loss.dtype == torch.float32 and torch.equal(full, want)
+    torch.testing.assert_close(loss, want, rtol=1e-5 if dtype == torch.float32 else 2e-3, atol=0)
+
+
 def test_mtp_leaves_next_token_loss_alone_and_adds_its_weighted_terms():
     torch.manual_seed(0)
     base_config = with_overrides(TINY, vocab_size=64)

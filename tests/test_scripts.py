@@ -43,8 +43,9 @@ def test_compare_sh_trains_each_model_and_compares(tmp_path):
 
 def test_compare_sh_defaults_to_d12_against_d12_fast_each_with_its_recipe(tmp_path):
     train_glob, val_glob = make_shards(tmp_path / "data")
-    # Four steps are too few for d12_fast's window warmup (the full window at its recipe's step 6,560): off.
-    result = bash("scripts/compare.sh", "--", *TINY_FLAGS, "--window_iters", "0",
+    # Four steps are too few for d12_fast's window warmup (the full window at its recipe's step 6,560): off; and
+    # without a target, both run a fixed schedule (d12_fast's recipe sizes its own from the target).
+    result = bash("scripts/compare.sh", "--", *TINY_FLAGS, "--window_iters", "0", "--lr_schedule", "trapezoid",
                   "--n_layer", "2", "--n_embd", "32", "--n_head", "2",
                   "--input_bin", train_glob, "--input_val_bin", val_glob,
                   env_extra={"OUTPUT_DIR": str(tmp_path / "logs")})
@@ -132,12 +133,14 @@ def test_speedrun_sh_fetches_the_shards_the_recipe_and_its_overtime_read(tmp_pat
     recipe = RECIPES["d12_fast"]
     tokens = (recipe["num_iterations"] + recipe["overtime_steps"]) * recipe["total_batch_size"]
     assert setup == f"setup {math.ceil(tokens / 100e6)}" and tokens <= 100e6 * int(setup.split()[1])
-    # One GPU: the trainer itself, so signals and exit codes pass straight through; more: torchrun.
-    assert launch.startswith("python3 train_gpt2.py --model d12_fast") and launch.endswith("--batch_size 16")
-    # The schedule and the cadence from the curve, which flags given after them override.
-    assert "--lr_schedule target --val_loss_every auto" in launch
+    # One GPU: the trainer itself, so signals and exit codes pass straight through; more: torchrun. The model's
+    # recipe is the whole job: its self-sizing schedule and planned evaluations.
+    assert launch == "python3 train_gpt2.py --model d12_fast --batch_size 16"
+    assert (recipe["lr_schedule"], recipe["val_loss_every"]) == ("target", "auto")
     _, calls = run_stubbed(tmp_path, path, "speedrun.sh", NPROC="2")
-    assert calls[1].startswith("torchrun --standalone --nproc_per_node=2 train_gpt2.py --model d12_fast")
+    assert calls[1] == "torchrun --standalone --nproc_per_node=2 train_gpt2.py --model d12_fast"
+    _, calls = run_stubbed(tmp_path, path, "speedrun.sh", "--input_bin", "x.bin", SETUP="0")  # set up already
+    assert calls == ["python3 train_gpt2.py --model d12_fast --input_bin x.bin"]
 
 
 def test_baseline_sh_trains_d12_with_nocaps_flags_and_refuses_another_model(tmp_path):
@@ -154,6 +157,8 @@ def test_baseline_sh_trains_d12_with_nocaps_flags_and_refuses_another_model(tmp_
     rows = (args.num_iterations + args.overtime_steps) * args.batch_size * args.grad_accumulation_steps
     tokens = rows * args.sequence_length
     assert setup == f"setup {math.ceil(tokens / 100e6)}" == "setup 32"
+    _, calls = run_stubbed(tmp_path, path, "baseline.sh", SETUP="0")  # set up already: the trainer alone
+    assert calls == [launch.removesuffix(" --run_name b")]
     for flags in (["--model", "d12_nocap"], ["--model=d12_nocap"]):
         result, calls = run_stubbed(tmp_path, path, "baseline.sh", *flags)
         assert result.returncode == 2 and calls == []  # nothing set up or trained

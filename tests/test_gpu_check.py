@@ -1,0 +1,103 @@
+"""scripts/gpu_check.py on a CPU: its commands are ones the trainer and the scripts accept, a check passes on the
+exit it expects (the resume check's SIGTERM after a few steps included), and the table reads each check's peak."""
+
+import json
+import os
+import sys
+from argparse import Namespace
+
+import pytest
+
+from conftest import REPO
+from test_scripts import run_stubbed, stub_repo
+
+sys.path.insert(0, str(REPO / "scripts"))
+import gpu_check  # noqa: E402
+from proxy import PROTOCOLS, parse_spec  # noqa: E402
+from train_gpt2 import check_run_flags, parse_args  # noqa: E402
+
+
+def the_checks(tmp_path, record=None):
+    args = Namespace(data=str(tmp_path / "data"), work=str(tmp_path / "work"), record=record, cap_gib=22.0)
+    return {check.name: check for group in gpu_check.checks(args) for check in group}
+
+
+def test_the_scripts_pass_the_trainer_flags_it_accepts(tmp_path):
+    checks = the_checks(tmp_path)
+    (tmp_path / "stub").mkdir()
+    path = stub_repo(tmp_path / "stub", "speedrun.sh", "baseline.sh", "train.sh")
+    for name in ("main job", "resume: SIGTERM", "resume: --resume auto", "baseline"):
+        command = checks[name].command
+        assert command[:2] == ["bash", f"scripts/{'baseline' if name == 'baseline' else 'speedrun'}.sh"]
+        result, calls = run_stubbed(tmp_path / "stub", path, command[1].split("/")[1], *command[2:], SETUP="0")
+        assert result.returncode == 0 and len(calls) == 1, result.stderr  # the trainer alone: nothing set up
+        args = parse_args(calls[0].split()[2:])
+        check_run_flags(args)  # the schedule of a few steps is one the trainer runs
+        assert args.memory_cap_gib == 22.0 and args.output_dir == str(tmp_path / "work")
+        if name != "baseline":
+            assert (args.model, args.lr_schedule, args.val_loss_every) == ("d12_fast", "target", "auto")
+            assert (args.num_iterations, args.overtime_steps) == (48, 8)  # the final checkpoint: ckpt_000056.pt
+    assert checks["sample"].command[-7].endswith("main/ckpt_000056.pt")
+    assert checks["resume: SIGTERM"].expect_exit == 143 and checks["resume: --resume auto"].command[-2:] == \
+        ["--resume", "auto"]
+    for model in ("d12", "d12_fast", "d12_nocap"):  # each P100 form with its checks, under the cap
+        command = checks[f"P100 {model}"].command
+        spec = parse_spec(PROTOCOLS["P100"], command[command.index("P100") + 1], command[-1].split())
+        check_run_flags(parse_args(["--model", spec.model, *spec.flags]))
+        assert "--memory_cap_gib" in command[-1]
+    assert "calibrate" not in checks and "calibrate" in the_checks(tmp_path, record=str(tmp_path))
+
+
+def fake_check(tmp_path, body: str, **fields) -> gpu_check.Check:
+    script = tmp_path / "fake.py"
+    script.write_text("import json, os, signal, sys, time\n" + body)
+    return gpu_check.Check("fake", [sys.executable, str(script)], [str(tmp_path / "run*")], **fields)
+
+
+def test_a_check_passes_on_the_exit_it_expects_and_reports_its_peak(tmp_path):
+    run_dir = tmp_path / "run1"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"peak_mem_mib": 1234.5}))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    # Trains a step every 0.1 s until SIGTERM, which it answers as the trainer does: exit 128 + 15.
+    stopped = fake_check(tmp_path, f"""
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+with open({str(run_dir / 'metrics.jsonl')!r}, "a") as f:
+    for step in range(1000):
+        f.write(json.dumps({{"step": step, "train_loss": 1.0}}) + "\\n")
+        f.flush()
+        time.sleep(0.1)
+""", stop_after_steps=3, expect_exit=143)
+    outcome = gpu_check.run_check(stopped, str(logs))
+    assert (outcome.status, outcome.peak_mib) == ("ok", 1234.5)
+    assert 3 <= gpu_check.logged_steps(str(run_dir)) < 1000
+    failed = gpu_check.run_check(fake_check(tmp_path, "print('error: no such shard x.bin'); sys.exit(2)"), str(logs))
+    assert failed.status == "FAIL" and failed.detail == "exit 2 (expected 0); error: no such shard x.bin"
+    text = gpu_check.table([outcome, failed], 22)
+    assert "| fake | ok | 1,234 MiB |" in text and "| fake | FAIL | 1,234 MiB |" in text
+
+
+def test_a_tool_runs_as_its_own_main_under_the_wrapper(tmp_path, monkeypatch):
+    script = tmp_path / "tool.py"
+    script.write_text("import sys\nprint(sys.argv[1:])\nsys.exit(int(sys.argv[1]))\n")
+    monkeypatch.setenv(gpu_check.PEAK_FILE, str(tmp_path / "peak"))
+    assert gpu_check.main(["--under_cap", "22", str(script), "3"]) == 3
+    assert gpu_check.under_cap(22, str(script), ["0"]) == 0
+    assert not (tmp_path / "peak").exists()  # no GPU, no peak
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data", "/nonexistent"], "--data /nonexistent: no mix_train_000001.bin; stage the P100 files there first"),
+    (["--data", "{data}", "--record", "/nonexistent"], "--record /nonexistent: no such folder"),
+    (["--data", "{data}", "--jobs", "0"], "--jobs 0 must be >= 1"),
+])
+def test_bad_input_is_one_line(tmp_path, capsys, argv, message):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("mix_train_000001.bin", "mix_val_000000.bin", "fwtextfixer_val_000000.bin"):
+        (data / name).write_bytes(b"")
+    assert gpu_check.main([a.format(data=data) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1
+    assert not os.path.exists(REPO / "logs" / "gpu-check")
