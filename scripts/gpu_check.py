@@ -20,7 +20,8 @@ the project's own command (the scripts with SETUP=0: the machine is set up, the 
 It prints a table (check, status, peak GPU memory, seconds) and exits 1 if any check fails. A Python tool runs
 under the cap through this script (the trainer caps itself: --memory_cap_gib); peak memory is the trainer's
 summary or the tool's torch.cuda.max_memory_allocated. Checks of one group run in order, groups side by side
-(--jobs): their times then share the GPU.
+(--jobs: their times share the GPU); the throughput check runs last, alone on the GPU, so that its tokens/s
+(its runs' summaries under WORK/throughput-*/) are its own.
 """
 
 import glob
@@ -109,6 +110,8 @@ def checks(args) -> list[list[Check]]:
         Check("eval_checkpoint", tool(cap, "scripts/eval_checkpoint.py", "--checkpoint", ckpt, "--val_bin",
                                       fwtextfixer, "--val_tokens", "212992", "--val_batch_size", "16",
                                       "--sequence_length", "4096")),
+    ]
+    resume = [
         Check("resume: SIGTERM", main_job(data, work, "resumed", cap), [os.path.join(work, "resumed")],
               stop_after_steps=6, expect_exit=128 + signal.SIGTERM),
         Check("resume: --resume auto", main_job(data, work, "resumed", cap, "--resume", "auto"),
@@ -131,11 +134,11 @@ def checks(args) -> list[list[Check]]:
     profile = [Check("profile --compile", tool(cap, "scripts/profile_model.py", "--model", "d12_fast",
                                                "--batch_size", "16", "--sequence_length", "4096", "--compile",
                                                "--input_bin", os.path.join(data, "mix_train_000001.bin")))]
-    groups = [main_group, baseline, throughput, *([c] for c in p100), calibrate, profile]
+    groups = [main_group, resume, baseline, *([c] for c in p100), calibrate, profile]
     if gpu_count() >= 2:
         groups.append([Check("torchrun x2", ["env", "NPROC=2", *main_job(data, work, "torchrun", cap, steps=24)],
                              [os.path.join(work, "torchrun")])])
-    return [group for group in groups if group]
+    return [group for group in groups if group] + [throughput]  # the last group runs alone
 
 
 def gpu_count() -> int:
@@ -239,9 +242,10 @@ def main(argv=None) -> int:
     logs = os.path.join(args.work, "logs")
     os.makedirs(logs, exist_ok=True)
     os.environ["OUTPUT_DIR"] = args.work  # throughput.sh writes its runs there
-    groups = checks(args)
+    *side_by_side, alone = checks(args)
     with ThreadPoolExecutor(args.jobs) as pool:
-        outcomes = [o for result in pool.map(lambda g: run_group(g, logs), groups) for o in result]
+        outcomes = [o for result in pool.map(lambda g: run_group(g, logs), side_by_side) for o in result]
+    outcomes += run_group(alone, logs)
     if not args.record:
         outcomes.append(Outcome("calibrate", "skipped (no --record)", None, 0.0))
     if gpu_count() < 2:

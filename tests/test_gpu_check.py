@@ -46,6 +46,8 @@ def test_the_scripts_pass_the_trainer_flags_it_accepts(tmp_path):
         check_run_flags(parse_args(["--model", spec.model, *spec.flags]))
         assert "--memory_cap_gib" in command[-1]
     assert "calibrate" not in checks and "calibrate" in the_checks(tmp_path, record=str(tmp_path))
+    groups = gpu_check.checks(Namespace(data="d", work="w", record=None, cap_gib=22.0))
+    assert [c.name for c in groups[-1]] == ["throughput"]  # last and alone: its tokens/s are its own
 
 
 def fake_check(tmp_path, body: str, **fields) -> gpu_check.Check:
