@@ -32,17 +32,21 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
+try:  # a few seconds of loading torch: Ctrl-C there is a stop, not a traceback of the import machinery
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
 
-import kernels
-from data.shards import (HEADER_BYTES, ArgumentParser, InputError, check_token_range, load_shard, match_shards,
-                         need_package, read_shard_header)
-from kernels import notice
-from model_variants import RECIPES, VARIANTS, GPTConfig, config_fields, get_variant, with_overrides
+    import kernels
+    from data.shards import (HEADER_BYTES, ArgumentParser, InputError, check_token_range, load_shard, match_shards,
+                             need_package, read_shard_header)
+    from kernels import notice
+    from model_variants import RECIPES, VARIANTS, GPTConfig, config_fields, get_variant, with_overrides
+except KeyboardInterrupt:
+    print("interrupted while loading torch: nothing ran", file=sys.stderr)
+    sys.exit(128 + signal.SIGINT)
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -269,7 +273,11 @@ def add_run_flags(p: argparse.ArgumentParser):
                    help="also checkpoint every N steps (500) or N minutes (30m: a crash costs at most half an "
                         "hour); 0: only the final checkpoint, always written")
     g.add_argument("--resume", default=None,
-                   help="checkpoint path, or 'auto' for the newest checkpoint in the run directory")
+                   help="checkpoint path, or 'auto' for the newest checkpoint in the run directory; flags changed "
+                        "since its run (a lower --learning_rate, a longer --num_iterations) take effect from there")
+    g.add_argument("--resume_new_data", action="store_true",
+                   help="--resume on training shards other than the checkpoint's: the walk goes on by the batches "
+                        "drawn, over these shards (without it such a resume is refused)")
     g.add_argument("--log_wandb", action="store_true", help="also log to Weights & Biases (pip install wandb)")
 
 
@@ -312,6 +320,9 @@ def check_run_flags(args):
     for name in positive:
         if getattr(args, name) < 1:
             raise InputError(f"--{name} {getattr(args, name)} must be >= 1")
+    if not 0 <= args.target_val_loss < math.inf:
+        raise InputError(f"--target_val_loss {args.target_val_loss} must be a finite loss >= 0 (0: no target, the "
+                         "whole schedule runs)")
     if not 0 <= args.lr_floor <= 1:
         raise InputError(f"--lr_floor {args.lr_floor} must be a fraction of the peak, between 0 and 1")
     for name in ("warmup_iters", "warmdown_iters", "overtime_steps"):
@@ -1232,6 +1243,9 @@ class TokenLoader:
     def _check_room(self, shard: int):
         """A shard too short for one round of batches would be left before it is read: refuse it."""
         round_tokens = self.world_size * self.B * self.T + 1
+        if self.shard_tokens[shard] == 0:
+            raise InputError(f"{self.files[shard]}: holds no tokens; leave it out of {self.flag}, or make it again "
+                             "(python data/fineweb.py)")
         if self.shard_tokens[shard] < round_tokens:
             raise InputError(f"{self.files[shard]}: {self.shard_tokens[shard]:,} tokens is fewer than one batch round "
                              f"(world_size*B*T+1 = {round_tokens:,}); lower --batch_size or --sequence_length")
@@ -1273,6 +1287,10 @@ class TokenLoader:
                 break
         return counts
 
+    def fingerprint(self) -> list[list]:
+        """What the walk reads, in order: each shard's file name and token count (a resume compares them)."""
+        return [[os.path.basename(path), tokens] for path, tokens in zip(self.files, self.shard_tokens)]
+
     def skip(self, n_batches: int):
         shard, position = self.shard, self.position
         for _ in range(n_batches):
@@ -1312,11 +1330,14 @@ class ValidationSet:
     process may have no rows in it), so that the same tokens are scored whatever the batch."""
 
     def __init__(self, pattern: str, val_tokens: int, B: int, T: int, rank: int, world_size: int,
-                 vocab_size: int, device: torch.device):
+                 vocab_size: int, device: torch.device, flag: str = "--input_val_bin"):
+        for name, value in (("--val_tokens", val_tokens), ("--val_batch_size", B)):
+            if value < 1:
+                raise InputError(f"{name} {value} must be >= 1")
         if val_tokens % T:
             raise InputError(f"--val_tokens {val_tokens:,} is not a whole number of validation rows of {T:,} tokens; "
                              f"pass a multiple of {T:,} (e.g. {max(T, val_tokens // T * T):,})")
-        path = match_shards(pattern, "--input_val_bin")[0]
+        path = match_shards(pattern, flag)[0]
         available = read_shard_header(path)
         if available < val_tokens + 1:
             raise InputError(f"{path}: {available:,} tokens, fewer than --val_tokens {val_tokens:,} + 1; "
@@ -1418,8 +1439,14 @@ class Optimizers:
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
 
     def load_state_dict(self, state: dict):
+        """The optimizers' state (moments, momentum buffers, step counts) from a checkpoint. The hyperparameters
+        (learning rates, weight decay, betas) stay this run's, its flags': a run resumed with a lower
+        --learning_rate trains with it."""
         for opt, opt_state in zip(self.optimizers, state["optimizers"], strict=True):
+            hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
             opt.load_state_dict(opt_state)
+            for group, values in zip(opt.param_groups, hyperparameters, strict=True):
+                group.update(values)
 
 
 def closure_loss(closure) -> torch.Tensor | None:
@@ -1902,34 +1929,52 @@ def atomic_write_text(path: str, text: str):
     atomic_write(path, lambda f: f.write(text))
 
 
-def state_digest(obj) -> str:
-    """SHA-256 of everything a checkpoint holds: tensors by dtype, shape and bytes (a wrapper tensor such as
-    torchao's 8-bit state by the tensors it wraps), containers in order, other values by their repr."""
-    digest = hashlib.sha256()
+def state_leaves(obj):
+    """Everything a checkpoint holds, in order: ("tensor", t) for each tensor (a wrapper tensor such as torchao's
+    8-bit state as ("wrapper", its type, shape and metadata), then the tensors it wraps), ("open", "{" or "[")
+    before a container's items, ("value", v) for anything else."""
+    if isinstance(obj, torch.Tensor) and type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+        names, meta = obj.__tensor_flatten__()
+        yield "wrapper", f"{type(obj).__name__}{tuple(obj.shape)}{meta!r}"
+        for name in names:
+            yield from state_leaves(getattr(obj, name))
+    elif isinstance(obj, torch.Tensor):
+        yield "tensor", obj
+    elif isinstance(obj, dict):
+        yield "open", "{"
+        for key, item in obj.items():
+            yield from state_leaves(key)
+            yield from state_leaves(item)
+    elif isinstance(obj, (list, tuple)):
+        yield "open", "["
+        for item in obj:
+            yield from state_leaves(item)
+    else:
+        yield "value", obj
 
-    def visit(value):
-        if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor \
-                and hasattr(value, "__tensor_flatten__"):
-            names, meta = value.__tensor_flatten__()
-            digest.update(f"{type(value).__name__}{tuple(value.shape)}{meta!r}".encode())
-            for name in names:
-                visit(getattr(value, name))
-        elif isinstance(value, torch.Tensor):
-            digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
-            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-        elif isinstance(value, dict):
-            digest.update(b"{")
-            for key, item in value.items():
-                visit(key)
-                visit(item)
-        elif isinstance(value, (list, tuple)):
-            digest.update(b"[")
-            for item in value:
-                visit(item)
+
+def state_digest(obj) -> str:
+    """SHA-256 of everything a checkpoint holds (state_leaves): tensors by dtype, shape and bytes, containers in
+    order, other values by their repr."""
+    digest = hashlib.sha256()
+    for kind, leaf in state_leaves(obj):
+        if kind == "tensor":
+            digest.update(f"{leaf.dtype}{tuple(leaf.shape)}".encode())
+            digest.update(leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        elif kind == "value":
+            digest.update(f"{type(leaf).__name__}:{leaf!r};".encode())
         else:
-            digest.update(f"{type(value).__name__}:{value!r};".encode())
-    visit(obj)
+            digest.update(leaf.encode())
     return digest.hexdigest()
+
+
+def all_finite(obj) -> bool:
+    """Whether every floating-point tensor a state holds is finite (one synchronization per device)."""
+    checks: dict[torch.device, list[torch.Tensor]] = {}
+    for kind, leaf in state_leaves(obj):
+        if kind == "tensor" and leaf.is_floating_point():
+            checks.setdefault(leaf.device, []).append(torch.isfinite(leaf).all())
+    return all(bool(torch.stack(found).all()) for found in checks.values())
 
 
 def remove_unfinished_writes(run_dir: str):
@@ -1961,6 +2006,9 @@ def run_dir_path(args) -> str:
         if name in ("", ".", "..") or "/" in name or os.sep in name or "\0" in name:
             raise InputError(f"--run_name {name!r} must be a plain directory name (no '/', not '.' or '..'): the "
                              "run goes to <output_dir>/<run_name>, so pass where it goes as --output_dir")
+        if len(name.encode()) > 255:
+            raise InputError(f"--run_name is {len(name.encode())} bytes long; a directory name holds at most 255: "
+                             "pass a shorter one")
         return os.path.join(args.output_dir, name)
     if args.resume == "auto":
         raise InputError("--resume auto needs --run_name (the run to continue)")
@@ -2138,8 +2186,8 @@ def load_checkpoint(path: str, expected: dict, flag: str = "--resume") -> dict:
         raise InputError(f"{flag}: {path} has checkpoint format {ckpt['format']}, this trainer reads format "
                          f"{CHECKPOINT_FORMAT}; use the commit that wrote it (config.json's git_sha)")
     if ckpt.pop("digest", None) != state_digest(ckpt):
-        raise InputError(f"{flag}: {path} does not match the digest it carries: the file is damaged; use an "
-                         "earlier checkpoint or start the run again")
+        raise InputError(f"{flag}: {path} does not match the digest it carries: the file is damaged (a run keeps "
+                         "only its newest checkpoint; remove it, and --resume auto starts the run over)")
     for key, want in expected.items():
         have = ckpt.get(key)
         if have != want:
@@ -2371,6 +2419,7 @@ class Run:
     warmdown: "Warmdown | None" = None
     scouted: bool = False  # whether the latest evaluation was a scout's, in bf16 (--val_loss_every auto)
     resumed_from: str | None = None  # the checkpoint's path
+    resume_changes: str = ""  # the flags changed since the checkpoint's run (resumed_flags)
 
     @property
     def micro_tokens(self) -> int:
@@ -2474,11 +2523,46 @@ def open_data(args, config: GPTConfig, env: Distributed) -> tuple[TokenLoader, V
     return train_loader, val, nocap_val
 
 
+# Flags that say where and how a run runs, not what it trains; and those a checkpoint's layout already fixes (the
+# model, the batch: load_checkpoint refuses another). The rest, changed on a resume, take effect from there.
+NOT_TRAINING_FLAGS = {"output_dir", "run_name", "resume", "resume_new_data", "device", "compile", "compile_tuning",
+                      "memory_cap_gib", "save_every", "log_wandb", "list_models", "model", "batch_size",
+                      "sequence_length", "grad_accumulation_steps", "total_batch_size"}
+
+
+def resumed_flags(ckpt: dict, path: str, args, data: list) -> str:
+    """What a resume from the checkpoint at `path` changes: another optimizer, whose state it cannot take, is
+    refused; so are other training shards, unless --resume_new_data; every other training flag that changed takes
+    effect from here. Returns the changes as text ("" for none; a checkpoint older than the flags it carries,
+    "")."""
+    theirs = ckpt.get("flags")
+    if theirs is None:
+        return ""
+    if theirs["optimizer"] != args.optimizer:
+        raise InputError(f"--optimizer {args.optimizer}: {path} holds the state of --optimizer {theirs['optimizer']}, "
+                         f"which {args.optimizer} cannot take; resume with --optimizer {theirs['optimizer']}, or "
+                         "start a new run")
+    if ckpt.get("data") != data and not args.resume_new_data:
+        shards = ckpt.get("data") or []
+        raise InputError(f"--input_bin: {path} was trained on {len(shards)} shard(s) of "
+                         f"{sum(n for _, n in shards):,} tokens ({', '.join(name for name, _ in shards[:3])}"
+                         f"{', ...' if len(shards) > 3 else ''}), and --input_bin names {len(data)} of "
+                         f"{sum(n for _, n in data):,} tokens now; pass the same shards, or --resume_new_data to go "
+                         "on over these")
+    model_fields = {f.name for f in config_fields()}
+    changed = [f"--{name} {theirs.get(name)} -> {value}" for name, value in vars(args).items()
+               if name not in NOT_TRAINING_FLAGS | model_fields and theirs.get(name) != value]
+    if ckpt.get("data") != data:
+        changed.append(f"training shards: {len(ckpt.get('data') or [])} -> {len(data)} (--resume_new_data)")
+    return "; ".join(changed)
+
+
 def resume_from(path: str, run: Run) -> list[dict]:
     """Load the checkpoint at `path` into the run: model, optimizer, RNG, data position, step, training time and
-    the evaluation logged at that step (where the checkpoint followed one). Returns the records of metrics.jsonl
-    that the run keeps (those up to its step)."""
+    the evaluation logged at that step (where the checkpoint followed one), once resumed_flags allows it. Returns
+    the records of metrics.jsonl that the run keeps (those up to its step)."""
     ckpt = load_checkpoint(path, run.layout)
+    run.resume_changes = resumed_flags(ckpt, path, run.args, run.train_loader.fingerprint())
     run.raw_model.load_state_dict(ckpt["model"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
     torch.set_rng_state(ckpt["rng_cpu"])
@@ -2575,6 +2659,9 @@ def describe_run(run: Run):
                   f"({args.batch_size}x{args.sequence_length} x {run.accumulation} accumulation x {env.world_size} "
                   f"processes) | train data {loader.total_tokens:,} tokens in {len(loader.files)} shards | run dir "
                   f"{run.run_dir}")
+    if run.resumed_from is not None:
+        run.log.print(f"resumed from {run.resumed_from} at step {run.start_step}" + (
+            f"; changed since its run, from here on: {run.resume_changes}" if run.resume_changes else ""))
     if args.sampled_softmax:
         report_sampled_softmax(args, config, loader, run.log)
 
@@ -2707,25 +2794,56 @@ def warm_up_compile(run: Run) -> float:
     return time.perf_counter() - t0
 
 
-def save_checkpoint(run: Run, step: int, evaluated: bool):
-    """The run's state after `step` steps as ckpt_<step>.pt, written whole or not at all, with the digest of
-    its contents inside; the older checkpoint goes once the new one is in place (a d12 checkpoint is ~1.5 GB).
-    Rank 0 writes; the other ranks hold the same state."""
+def checkpoint_state(run: Run, step: int, evaluated: bool) -> dict | None:
+    """The run's state after `step` steps as its checkpoint holds it, with the digest of its contents inside,
+    copied to the host (the steps that follow change the weights in place); None where it is not finite (the
+    weights or the optimizer's state blown up). Every rank checks its own copy (all hold the same state), so all
+    agree without a word; rank 0 alone keeps one ({} on the others)."""
+    model_state, optimizer_state = run.raw_model.state_dict(), run.optimizer.state_dict()
+    if not all_finite([model_state, optimizer_state]):
+        return None
     if not run.env.is_main:
-        return
-    path = os.path.join(run.run_dir, f"ckpt_{step:06d}.pt")
+        return {}
     device = run.env.device
-    state = dict(
-        format=CHECKPOINT_FORMAT, model=run.raw_model.state_dict(), optimizer=run.optimizer.state_dict(),
+    state = torch.utils._pytree.tree_map_only(torch.Tensor, host_copy, dict(
+        format=CHECKPOINT_FORMAT, model=model_state, optimizer=optimizer_state,
         step=step, batches_drawn=run.train_loader.batches_drawn, train_time_s=run.train_time_s, evaluated=evaluated,
         evaluations=[[s, loss] for s, loss in run.evaluations],
         rng_cpu=torch.get_rng_state(), rng_cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        **run.layout)
+        flags=vars(run.args), data=run.train_loader.fingerprint(), **run.layout))
     state["digest"] = state_digest(state)
+    return state
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t on the host; a wrapper tensor (torchao's 8-bit state, which has no clone) rebuilt from copies of
+    the tensors it wraps."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, meta = t.__tensor_flatten__()
+        return type(t).__tensor_unflatten__({name: host_copy(getattr(t, name)) for name in names}, meta, t.size(),
+                                            t.stride())
+    return t.detach().to("cpu", copy=True)
+
+
+def write_checkpoint(run: Run, state: dict):
+    """checkpoint_state's state as ckpt_<step>.pt, written whole or not at all; the older checkpoint goes once the
+    new one is in place (a d12 checkpoint is ~1.5 GB). Rank 0 writes."""
+    if not run.env.is_main:
+        return
+    path = os.path.join(run.run_dir, f"ckpt_{state['step']:06d}.pt")
     atomic_write(path, lambda f: torch.save(state, f), "wb")
     for older in list_checkpoints(run.run_dir):
         if older != path:
             os.remove(older)
+
+
+def save_checkpoint(run: Run, step: int, evaluated: bool) -> bool:
+    """Write the state after `step` steps now (at the run's end, or where a signal stops it); False, and nothing
+    written, where it is not finite."""
+    state = checkpoint_state(run, step, evaluated)
+    if state is not None:
+        write_checkpoint(run, state)
+    return state is not None
 
 
 class Interrupted(Exception):
@@ -3075,7 +3193,7 @@ def overtime_after(args, end: int, val_loss: float, emit) -> int:
 @dataclass
 class Outcome:
     """How the run went, as its summary reports it."""
-    status: str = "completed"  # reached_target | completed | missed_target | interrupted | diverged
+    status: str = "completed"  # reached_target | completed | missed_target | interrupted | diverged | failed
     step: int = 0
     final_val_loss: float | None = None
     final_val_loss_1024: float | None = None  # NoCap's 1024-token rows, where validation rows are longer
@@ -3129,6 +3247,12 @@ def train(args) -> int:
     except WriteFailed as e:
         run.log.close()
         return report_write_failure(e, step=outcome.step)
+    except InputError as e:  # found while training: a shard damaged or replaced under the run
+        if run.env.is_main:
+            print(f"error: {e}", file=sys.stderr, flush=True)  # log.txt's too
+        outcome.status = "failed"
+        finish(run, outcome, meter, wall_start)
+        return 2
     finally:
         run.log.close()  # also when an error ends the run: stdout and stderr are the terminal's again
         if run.claim is not None:
@@ -3195,26 +3319,42 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
         if last_step:
             report_missed_target(args, outcome, step - scheduled_end, emit)
             break
-        if step > run.start_step and (minutes_due or (save_steps and step % save_steps == 0)):
-            save_checkpoint(run, step, evaluated)
-            last_save = time.monotonic()
-        train_loss = record_step(run, meter, step, timed_step(run, step), final_step, progress, emit)
-        step = outcome.step = step + 1
-        if not math.isfinite(train_loss):  # all ranks see the same all-reduced loss, so all stop here
-            outcome.status = "diverged"
-            report_divergence(env, train_loss, step)
+        save_due = step > run.start_step and (minutes_due or (save_steps and step % save_steps == 0))
+        last_save = time.monotonic() if save_due else last_save
+        if not step_and_checkpoint(run, outcome, meter, step, save_due, evaluated, (final_step, progress, emit)):
             break
-    if outcome.status not in ("interrupted", "diverged"):
-        save_checkpoint(run, step, evaluated)
+        step += 1
+    if outcome.status not in ("interrupted", "diverged") and not save_checkpoint(run, step, evaluated):
+        diverged(run, outcome, NOT_FINITE, step)
     if progress is not None:
         progress.close()
+
+
+def step_and_checkpoint(run: Run, outcome: Outcome, meter: StepMeter, step: int, save_due: bool, evaluated: bool,
+                        reporting: tuple) -> bool:
+    """Optimizer step number step + 1 (recorded with reporting's final step, progress bar and emit), and where
+    save_due the periodic checkpoint of the state it starts from, written once the step's loss shows that the state
+    trains: weights a step blew up can be finite and still give a NaN loss at once. False: the run diverged."""
+    pending = checkpoint_state(run, step, evaluated) if save_due else None
+    if save_due and pending is None:
+        diverged(run, outcome, NOT_FINITE, step)
+        return False
+    train_loss = record_step(run, meter, step, timed_step(run, step), *reporting)
+    outcome.step = step + 1
+    if not train_loss <= DIVERGED * math.log(run.config.vocab_size):  # all ranks see the same all-reduced loss
+        diverged(run, outcome, f"loss {train_loss:.6g}", step + 1)
+        return False
+    if pending is not None:
+        write_checkpoint(run, pending)
+    return True
 
 
 def checkpoint_and_stop(run: Run, outcome: Outcome, step: int, signum: int, emit):
     """A signal arrived: checkpoint where the run stands and say so."""
     outcome.status = "interrupted"
     emit(f"received signal {signum}: checkpointing at step {step} and stopping")
-    save_checkpoint(run, step, evaluated=False)
+    if not save_checkpoint(run, step, evaluated=False):
+        diverged(run, outcome, NOT_FINITE, step)
 
 
 def checkpoint_interval(save_every: str) -> tuple[int, float]:
@@ -3222,11 +3362,23 @@ def checkpoint_interval(save_every: str) -> tuple[int, float]:
     return (0, float(save_every[:-1])) if save_every.endswith("m") else (int(save_every), 0.0)
 
 
-def report_divergence(env: Distributed, loss: float, step: int):
-    if env.is_main:
-        print(f"error: training diverged: loss {loss} at step {step}; no checkpoint is written, so the newest one "
-              "in the run directory is the last good state — lower --learning_rate (or --muon_lr) and start again "
-              "or --resume from it", file=sys.stderr, flush=True)
+NOT_FINITE = "the weights or the optimizer's state are not finite"
+# A training loss above this multiple of a uniform guess's, ln(vocab_size), or not finite, is a divergence: weights a
+# step blew up to huge but finite values give such a loss first, and a NaN soon after, even at a sane rate.
+DIVERGED = 2.0
+
+
+def diverged(run: Run, outcome: Outcome, what: str, step: int):
+    """The run diverged (a non-finite loss, or a state not finite where it would be saved): its status, and the
+    one line it ends with, naming the last good checkpoint (none is written from here on)."""
+    outcome.status = "diverged"
+    if not run.env.is_main:
+        return
+    newest = list_checkpoints(run.run_dir)
+    back = (f"the newest checkpoint, {newest[-1]}, is the last good state: continue from it with --resume auto and "
+            "a lower --learning_rate (or --muon_lr), which a resume takes" if newest else
+            "there is no checkpoint yet: start again with a lower --learning_rate (or --muon_lr)")
+    print(f"error: training diverged: {what} at step {step}; {back}", file=sys.stderr, flush=True)
 
 
 def progress_bar(run: Run, final_step: int):
@@ -3320,11 +3472,12 @@ def list_models() -> str:
 
 def report_input_errors(action) -> int:
     """Run a command-line action; bad input becomes one `error: ...` line on stderr and exit code 2, a file
-    that could not be written one such line and exit code 1."""
+    that could not be written one such line and exit code 1, Ctrl-C one line and 130."""
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank meets the same input: one line
     try:
         return action()
     except InputError as e:
-        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank meets the same input: one line
+        if main_rank:
             print(f"error: {e}", file=sys.stderr)
         else:  # torchrun stops every rank once one exits: wait, so that rank 0 has printed the line first
             time.sleep(5)
@@ -3332,6 +3485,10 @@ def report_input_errors(action) -> int:
     except WriteFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C where no checkpoint can be written (before training, or in a tool)
+        if main_rank:
+            print("interrupted (Ctrl-C): stopped", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 # Flags counted in optimizer steps: the schedule's shape, which --num_iterations alone re-sizes (resized_schedule).

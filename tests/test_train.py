@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
@@ -649,10 +650,71 @@ def test_unknown_model_suggests_close_names(tmp_path, shards, capsys):
     (["--val_sequence_length", "2048"], "--val_sequence_length 2048 exceeds the model's block_size"),
     (["--val_sequence_length", "1536", "--block_size", "2048"],
      "--val_sequence_length 1536: rows longer than NoCap's 1024 must be a multiple of it"),
+    (["--target_val_loss", "-1"], "--target_val_loss -1.0 must be a finite loss >= 0 (0: no target"),
+    (["--target_val_loss", "nan"], "--target_val_loss nan must be a finite loss >= 0"),
+    (["--run_name", "r" * 300], "--run_name is 300 bytes long; a directory name holds at most 255"),
 ])
 def test_bad_flags_give_one_clear_line(tmp_path, shards, capsys, extra, message):
     assert message in _error(capsys, tiny_run_args(shards, tmp_path, "run", *extra))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_empty_or_compressed_shard_is_named_with_its_fix(tmp_path, capsys):
+    import lzma
+    import numpy as np
+    from data.shards import write_shard
+    shards = make_shards(tmp_path / "d")
+    write_shard(str(tmp_path / "d" / "syn_train_000003.bin"), np.zeros(0, dtype=np.uint16))
+    assert _error(capsys, tiny_run_args(shards, tmp_path)) == (
+        f"error: {tmp_path / 'd' / 'syn_train_000003.bin'}: holds no tokens; leave it out of --input_bin, or make it "
+        "again (python data/fineweb.py)")
+    packed = tmp_path / "d" / "syn_train_000003.bin"
+    packed.write_bytes(lzma.compress((tmp_path / "d" / "syn_train_000001.bin").read_bytes()))
+    assert _error(capsys, tiny_run_args(shards, tmp_path)) == (
+        f"error: {packed}: a xz-compressed file, not a token shard; decompress it first (xz -dk {packed}; a folder "
+        "of .bin.xz: python scripts/proxy.py stage)")
+
+
+def test_a_shard_damaged_during_the_run_ends_it_in_one_line_logged_and_summed_up(tmp_path, shards, capsys,
+                                                                                   monkeypatch):
+    import train_gpt2
+    from data.shards import HEADER_BYTES
+    second = tmp_path / "data" / "syn_train_000002.bin"
+    real_load = train_gpt2.load_shard
+
+    def truncated_when_reached(path, *args, **kwargs):
+        if path == str(second):  # cut short while the first shard was being read
+            with open(second, "r+b") as f:
+                f.truncate(HEADER_BYTES + 100)
+        return real_load(path, *args, **kwargs)
+    monkeypatch.setattr(train_gpt2, "load_shard", truncated_when_reached)
+    code = main(tiny_run_args(shards, tmp_path, "run", "--num_iterations", "200", "--val_loss_every", "0"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {second}: header says 20,000 tokens but")
+    assert err[0] in (tmp_path / "run" / "log.txt").read_text()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and 0 < summary["steps"] < 200
+
+
+def test_ctrl_c_while_loading_torch_or_setting_up_is_one_line_and_130(tmp_path, shards, capsys, monkeypatch):
+    interrupted_import = ("import builtins, runpy, sys\n"
+                          "real = builtins.__import__\n"
+                          "def importing(name, *args, **kwargs):\n"
+                          "    if name == 'torch':\n"
+                          "        raise KeyboardInterrupt\n"
+                          "    return real(name, *args, **kwargs)\n"
+                          "builtins.__import__ = importing\n"
+                          "sys.argv = ['train_gpt2.py', '--model', 'tiny']\n"
+                          "runpy.run_path('train_gpt2.py', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", interrupted_import], cwd=REPO, capture_output=True, text=True)
+    assert (done.returncode, done.stderr) == (130, "interrupted while loading torch: nothing ran\n")
+    import train_gpt2
+
+    def ctrl_c(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_gpt2, "setup_run", ctrl_c)
+    assert main(tiny_run_args(shards, tmp_path)) == 130
+    assert capsys.readouterr().err == "interrupted (Ctrl-C): stopped\n"
 
 
 def test_out_of_vocab_shard_is_reported(tmp_path, capsys):
@@ -712,8 +774,8 @@ def test_a_damaged_copy_of_a_checkpoint_is_refused_by_the_digest_it_carries(tmp_
         data[len(data) // 2 + i] ^= 0xFF
     copy.write_bytes(bytes(data))
     line = _error(capsys, tiny_run_args(shards, tmp_path, "b", "--num_iterations", "8", "--resume", str(copy)))
-    assert line == (f"error: --resume: {copy} does not match the digest it carries: the file is damaged; use an "
-                    "earlier checkpoint or start the run again")
+    assert line == (f"error: --resume: {copy} does not match the digest it carries: the file is damaged (a run "
+                    "keeps only its newest checkpoint; remove it, and --resume auto starts the run over)")
     from train_gpt2 import load_checkpoint
     with pytest.raises(InputError, match="^--checkpoint: .* does not match the digest it carries"):
         load_checkpoint(str(copy), {}, flag="--checkpoint")  # what sample.py and eval_checkpoint.py say
@@ -806,7 +868,7 @@ def test_num_iterations_alone_resizes_the_recipes_step_counted_settings(capsys):
     from train_gpt2 import check_run_flags, parse_args
     fast = parse_args(["--model", "d12_fast", "--num_iterations", "1000"])  # a tenth of the recipe's 10,000
     assert (fast.warmdown_iters, fast.muon_momentum_warmup, fast.window_iters, fast.val_loss_every) == (
-        1000, 150, 656, 31)
+        1000, 150, 656, "auto")  # evaluations planned from the curve already scale with the run
     assert fast.overtime_steps == 500
     assert ("notice: --num_iterations 1000 re-sizes d12_fast's schedule of 10000 steps: --warmdown_iters 1000 "
             "--muon_momentum_warmup 150") in capsys.readouterr().err
@@ -897,9 +959,16 @@ def test_eval_checkpoint_scores_like_the_trainer(tmp_path, shards, capsys):
         assert eval_checkpoint.main(["--checkpoint", ckpt, "--val_bin", shards[1], "--val_tokens", val_tokens,
                                      "--val_batch_size", val_batch, "--device", "cpu"]) == 0
         assert capsys.readouterr().out.strip() == f"val_loss: {final:.6f}"
+    for flags, message in ((["--val_tokens", "0"], "--val_tokens 0 must be >= 1"),
+                           (["--val_tokens", "-1024"], "--val_tokens -1024 must be >= 1"),
+                           (["--val_batch_size", "0"], "--val_batch_size 0 must be >= 1"),
+                           (["--val_bin", str(tmp_path / "none.bin")], f"--val_bin: no files match "
+                                                                        f"'{tmp_path / 'none.bin'}'")):
+        assert eval_checkpoint.main(["--checkpoint", ckpt, "--val_bin", shards[1], *flags, "--device", "cpu"]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {message}")
     assert eval_checkpoint.main(["--checkpoint", ckpt, "--val_bin", shards[1], "--val_tokens", "250",
                                  "--device", "cpu"]) == 2
-    assert capsys.readouterr().err.startswith("error: --val_tokens 250 is not a multiple")
+    assert capsys.readouterr().err.startswith("error: --val_tokens 250 is not a whole number of validation rows")
     # Rows longer than the model's positions: one line naming the flag and the longest row it takes.
     assert eval_checkpoint.main(["--checkpoint", ckpt, "--val_bin", shards[1], "--val_tokens", "4096",
                                  "--val_batch_size", "1", "--sequence_length", "4096", "--device", "cpu"]) == 2
@@ -985,11 +1054,14 @@ def test_out_of_memory_is_one_line_with_the_fix(tmp_path, shards, capsys, monkey
 
 
 def test_a_diverged_run_stops_at_once_without_a_checkpoint(tmp_path, shards, capsys):
-    code, _, err = run(capsys, shards, tmp_path, "run", "--learning_rate", "1e30")  # weights turn non-finite
+    code, _, err = run(capsys, shards, tmp_path, "run", "--learning_rate", "1e30")  # the weights blow up at once
     assert code == 1
-    assert err.strip().splitlines()[-1].startswith("error: training diverged: loss nan at step 3;")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert (summary["status"], summary["steps"]) == ("diverged", 3)
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: training diverged: loss ") and f"at step {summary['steps']};" in line
+    loss = float(line.split("loss ")[1].split()[0])
+    assert not loss <= 2 * math.log(256)  # above twice a uniform guess's loss, or not finite
+    assert summary["status"] == "diverged" and summary["steps"] <= 3
     assert not list((tmp_path / "run").glob("ckpt_*.pt"))
 
 

@@ -1,0 +1,129 @@
+"""What a resume promises: it says where it resumed and what changed since the checkpoint's run, the flags a user
+changes to recover a run take effect, another optimizer or other training shards are refused in one line, and a
+divergence never leaves a checkpoint that is not finite."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import read_metrics, tiny_run_args, train_losses
+from train_gpt2 import Optimizers, all_finite, main
+
+
+def run(capsys, shards, out, name, *extra):
+    code = main(tiny_run_args(shards, out, name, *extra))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def four_steps_then_resume(capsys, monkeypatch, shards, tmp_path, name, *extra):
+    """A run of 8 steps as if killed after its step-4 checkpoint, resumed with `extra`: (exit code, out, err)."""
+    import train_gpt2
+    with monkeypatch.context() as patch:
+        patch.setattr(train_gpt2.os, "remove", lambda path: None)  # the step-4 checkpoint stays
+        assert run(capsys, shards, tmp_path, name, "--num_iterations", "8", "--save_every", "4")[0] == 0
+    for leftover in ("summary.json", "ckpt_000008.pt", "run.lock"):
+        (tmp_path / name / leftover).unlink()
+    return run(capsys, shards, tmp_path, name, "--num_iterations", "8", "--resume", "auto", *extra)
+
+
+def test_a_resume_says_so_and_takes_the_learning_rate_and_weight_decay_it_is_given(tmp_path, shards, capsys,
+                                                                                     monkeypatch):
+    code, out, _ = four_steps_then_resume(capsys, monkeypatch, shards, tmp_path, "same")
+    assert code == 0 and f"resumed from {tmp_path / 'same' / 'ckpt_000004.pt'} at step 4\n" in out
+    code, out, _ = four_steps_then_resume(capsys, monkeypatch, shards, tmp_path, "lower", "--learning_rate", "3e-4",
+                                          "--weight_decay", "0.5")
+    assert code == 0
+    line = next(line for line in out.splitlines() if line.startswith("resumed from"))
+    assert line.endswith("at step 4; changed since its run, from here on: --learning_rate 0.003 -> 0.0003; "
+                         "--weight_decay 0.1 -> 0.5")
+    assert line in (tmp_path / "lower" / "log.txt").read_text()
+    same, lower = train_losses(tmp_path / "same"), train_losses(tmp_path / "lower")
+    assert {s: same[s] for s in (1, 2, 3, 4, 5)} == {s: lower[s] for s in (1, 2, 3, 4, 5)}  # step 5 trains on 4's
+    assert lower[6] != same[6]  # the new rates trained step 5
+    config = json.loads((tmp_path / "lower" / "config.json").read_text())
+    assert (config["args"]["learning_rate"], config["args"]["weight_decay"]) == (3e-4, 0.5)
+    lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "lower") if "lr" in r}
+    assert lrs[5] < lrs[4] / 5  # logged as trained
+
+
+def test_loading_optimizer_state_keeps_the_runs_own_hyperparameters():
+    weight = torch.nn.Parameter(torch.ones(3))
+    old = Optimizers([torch.optim.AdamW([weight], lr=1e-3, weight_decay=0.1)])
+    weight.grad = torch.ones(3)
+    old.step()
+    new = Optimizers([torch.optim.AdamW([weight], lr=1e-4, weight_decay=0.5)])
+    new.load_state_dict(old.state_dict())
+    group = new.param_groups[0]
+    assert (group["lr"], group["peak_lr"], group["weight_decay"]) == (1e-4, 1e-4, 0.5)
+    torch.testing.assert_close(new.optimizers[0].state[weight]["exp_avg"], old.optimizers[0].state[weight]["exp_avg"])
+
+
+def test_a_longer_run_on_resume_says_what_it_resizes(tmp_path, shards, capsys, monkeypatch):
+    code, out, _ = four_steps_then_resume(capsys, monkeypatch, shards, tmp_path, "longer", "--num_iterations", "12",
+                                          "--warmdown_iters", "3")
+    assert code == 0 and "--num_iterations 8 -> 12; --warmdown_iters 2 -> 3" in out
+    assert json.loads((tmp_path / "longer" / "summary.json").read_text())["steps"] == 12
+
+
+def test_another_optimizer_is_refused_in_one_line(tmp_path, shards, capsys, monkeypatch):
+    code, _, err = four_steps_then_resume(capsys, monkeypatch, shards, tmp_path, "run", "--optimizer", "muon")
+    assert code == 2 and err == (f"error: --optimizer muon: {tmp_path / 'run' / 'ckpt_000004.pt'} holds the state of "
+                                 "--optimizer adamw, which muon cannot take; resume with --optimizer adamw, or start "
+                                 "a new run\n")
+
+
+def test_other_training_shards_are_refused_unless_asked_for(tmp_path, shards, capsys, monkeypatch):
+    fewer = (shards[0].replace("*", "000001"), shards[1])
+    four_steps_then_resume(capsys, monkeypatch, shards, tmp_path, "run", "--num_iterations", "4")  # done at 4
+    (tmp_path / "run" / "summary.json").unlink()
+    code, _, err = run(capsys, fewer, tmp_path, "run", "--num_iterations", "8", "--resume", "auto")
+    assert code == 2 and err.startswith(f"error: --input_bin: {tmp_path / 'run' / 'ckpt_000004.pt'} was trained on "
+                                        "2 shard(s) of 40,000 tokens (syn_train_000001.bin, syn_train_000002.bin), "
+                                        "and --input_bin names 1 of 20,000 tokens now; pass the same shards, or "
+                                        "--resume_new_data to go on over these")
+    code, out, _ = run(capsys, fewer, tmp_path, "run", "--num_iterations", "8", "--resume", "auto",
+                       "--resume_new_data")
+    assert code == 0 and "training shards: 2 -> 1 (--resume_new_data)" in out
+
+
+def test_a_divergence_leaves_the_last_good_checkpoint_and_a_resume_recovers_from_it(tmp_path, shards, capsys):
+    assert run(capsys, shards, tmp_path, "run", "--num_iterations", "6", "--save_every", "1")[0] == 0
+    (tmp_path / "run" / "summary.json").unlink()  # as if killed after its last checkpoint
+    # Resumed at a rate whose first update blows the weights up to finite values: the loss they give the next step
+    # is far above a uniform guess's, so their checkpoint, due at step 7, is never written.
+    code, _, err = run(capsys, shards, tmp_path, "run", "--num_iterations", "8", "--save_every", "1",
+                       "--resume", "auto", "--learning_rate", "1e4")
+    assert code == 1 and [p.name for p in (tmp_path / "run").glob("ckpt_*.pt")] == ["ckpt_000006.pt"]
+    loss = err.split("loss ")[-1].split()[0]
+    assert float(loss) > 2 * math.log(256)
+    assert err.strip().splitlines()[-1] == (
+        f"error: training diverged: loss {loss} at step 8; the newest checkpoint, "
+        f"{tmp_path / 'run' / 'ckpt_000006.pt'}, is the last good state: continue from it with --resume auto and a "
+        "lower --learning_rate (or --muon_lr), which a resume takes")
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "diverged"
+    code, out, _ = run(capsys, shards, tmp_path, "run", "--num_iterations", "8", "--resume", "auto")
+    assert code == 0 and "at step 6; changed since its run, from here on: --num_iterations 6 -> 8" in out
+    losses = train_losses(tmp_path / "run")
+    assert sorted(losses) == list(range(1, 9)) and all(torch.isfinite(torch.tensor(list(losses.values()))))
+
+
+def test_a_state_that_is_not_finite_is_never_written(tmp_path, shards, capsys, monkeypatch):
+    import train_gpt2
+    real = train_gpt2.all_finite
+    monkeypatch.setattr(train_gpt2, "all_finite", lambda state: False)  # as if a weight had turned NaN
+    code, _, err = run(capsys, shards, tmp_path, "run", "--save_every", "2")
+    assert code == 1 and not list((tmp_path / "run").glob("ckpt_*.pt"))
+    assert err.strip().splitlines()[-1].startswith("error: training diverged: the weights or the optimizer's state "
+                                                   "are not finite at step 2; there is no checkpoint yet")
+    assert real is all_finite
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_all_finite_sees_any_non_finite_value(value):
+    state = {"model": {"w": torch.ones(4)}, "optimizer": [{"m": torch.zeros(2, 2)}], "step": torch.tensor(3)}
+    assert all_finite(state)
+    state["optimizer"][0]["m"][1, 1] = value
+    assert all_finite(state) == (value == -1.0)
