@@ -17,6 +17,8 @@ SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
+COMPRESSED = {"xz": b"\xfd7zXZ\x00", "gzip": b"\x1f\x8b", "zstd": b"\x28\xb5\x2f\xfd"}  # their files' first bytes
+COMPRESSED_FIX = {"xz": "xz -dk", "gzip": "gunzip -k", "zstd": "zstd -d"}
 
 
 class InputError(Exception):
@@ -47,6 +49,16 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} ({self.prog} --help lists the flags)\n")
 
 
+def check_output_file(path: str, flag: str):
+    """A file a tool is asked to write (a plot, a table): its folder exists and can be written, or one error line
+    before any work is done."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise InputError(f"{flag} {path}: no such folder {folder}; create it or pass another path")
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"{flag} {path}: {folder} cannot be written; pass another path")
+
+
 def read_shard_header(path: str) -> int:
     """Validate a shard's header against its size; return its token count."""
     try:
@@ -54,6 +66,10 @@ def read_shard_header(path: str) -> int:
         header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
     except OSError as e:
         raise InputError(f"{path}: cannot be read ({e.strerror}); check the file and its permissions") from None
+    compression = next((name for name, magic in COMPRESSED.items() if header.tobytes().startswith(magic)), None)
+    if compression:
+        raise InputError(f"{path}: a {compression}-compressed file, not a token shard; decompress it first "
+                         f"({COMPRESSED_FIX[compression]} {path}; a folder of .bin.xz: python scripts/proxy.py stage)")
     if size < HEADER_BYTES:
         raise InputError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header — "
                          "not a token shard; re-create it with python data/fineweb.py")

@@ -74,11 +74,40 @@ def test_shard_writer_splits_documents_across_shards(tmp_path):
     assert [load_shard(p, 100).tolist() for p in writer.written] == [[1, 2, 3, 4], [5, 6, 7, 8], [9]]
 
 
-def test_raw_refuses_to_overwrite_existing_shards(tmp_path):
+def test_raw_refuses_to_overwrite_existing_shards_unless_asked(tmp_path):
+    gpt2_encoder()
     write_shard(str(tmp_path / "fw_val_000000.bin"), [1, 2])
-    with pytest.raises(InputError, match="already exists"):
+    with pytest.raises(InputError, match="already exists; pass --overwrite to make the set again"):
         fineweb.tokenize_to_shards(iter(["x"]), str(tmp_path), "fw", shard_size=10)
     assert load_shard(str(tmp_path / "fw_val_000000.bin"), 10).tolist() == [1, 2]
+    paths = fineweb.tokenize_to_shards(iter(["x"]), str(tmp_path), "fw", shard_size=10, workers=1, overwrite=True)
+    assert [os.path.basename(p) for p in paths] == ["fw_val_000000.bin"]
+    assert load_shard(paths[0], 50257).tolist() == [fineweb.EOT, 87]  # <|endoftext|> "x"
+
+
+def interrupted_after(texts, n):
+    """The texts, as a stream that Ctrl-C stops after n documents."""
+    for i, text in enumerate(texts):
+        if i == n:
+            raise KeyboardInterrupt
+        yield text
+
+
+def test_an_interrupted_tokenization_leaves_no_set_and_goes_on_where_it_stopped(tmp_path):
+    gpt2_encoder()
+    texts = [f"document {i}: " + "word " * (i % 7) for i in range(3000)]
+    whole = fineweb.tokenize_to_shards(iter(texts), str(tmp_path / "whole"), "fw", shard_size=3000, workers=2)
+    with pytest.raises(KeyboardInterrupt):
+        fineweb.tokenize_to_shards(interrupted_after(texts, 2500), str(tmp_path / "out"), "fw", shard_size=3000,
+                                   workers=2)
+    assert not fineweb.shards_of(str(tmp_path / "out"), "fw")  # nothing that looks like a set
+    kept = fineweb.shards_of(str(tmp_path / "out" / ".fw.partial"), "fw")
+    assert 0 < len(kept) < len(whole)
+    paths = fineweb.tokenize_to_shards(iter(texts), str(tmp_path / "out"), "fw", shard_size=3000, workers=2)
+    assert [os.path.basename(p) for p in paths] == [os.path.basename(p) for p in whole]
+    for mine, straight in zip(paths, whole):
+        np.testing.assert_array_equal(load_shard(mine, 50257), load_shard(straight, 50257))
+    assert not (tmp_path / "out" / ".fw.partial").exists()
 
 
 def test_raw_input_errors(tmp_path):
@@ -87,6 +116,51 @@ def test_raw_input_errors(tmp_path):
     (tmp_path / "a.txt").write_text("x")
     with pytest.raises(InputError, match="only .parquet or only .jsonl"):
         fineweb.iter_texts(str(tmp_path / "a.txt"))
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("no text", "has no 'text' column (it has: body, id); the documents' text must be in a column named text"),
+    ("truncated", "is not a readable parquet file (ArrowInvalid: "),
+    ("garbled", "is not a readable parquet file ("),
+])
+def test_a_bad_parquet_is_one_line(tmp_path, capsys, damage, message):
+    pytest.importorskip("datasets")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path = tmp_path / "docs.parquet"
+    column = "body" if damage == "no text" else "text"
+    pq.write_table(pa.table({column: ["one document", "another"], "id": [1, 2]}), path)
+    data = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "garbled":
+        path.write_bytes(data[:8] + bytes(b ^ 0x5A for b in data[8:-8]) + data[-8:])
+    assert fineweb.main(["--source", "raw", "--input", str(path), "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --input: {path} {message}") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_the_tokenizers_files_is_one_line(tmp_path, capsys, monkeypatch):
+    tiktoken = pytest.importorskip("tiktoken")
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "hi"}) + "\n")
+
+    def offline(name):
+        raise ConnectionError("no network")
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    assert fineweb.main(["--source", "raw", "--input", str(tmp_path / "docs.jsonl"), "--output_dir",
+                         str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == ("error: the GPT-2 tokenizer's files could not be loaded (ConnectionError); "
+                                       "connect to the network once, or set TIKTOKEN_CACHE_DIR to a folder that "
+                                       "holds them\n")
+
+
+@pytest.mark.parametrize("flag, value", [("--max_tokens", "-5"), ("--workers", "-1"), ("--shard_size", "0")])
+def test_bad_numbers_are_one_line(tmp_path, capsys, flag, value):
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "hi"}) + "\n")
+    assert fineweb.main(["--source", "raw", "--input", str(tmp_path / "docs.jsonl"), "--output_dir",
+                         str(tmp_path / "out"), flag, value]) == 2
+    assert capsys.readouterr().err == f"error: {flag} {value} must be >= 1\n"
 
 
 # --- --source cached -----------------------------------------------------------------------------------

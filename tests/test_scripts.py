@@ -21,7 +21,7 @@ def table_rows(stdout: str) -> list[str]:
     """The rows of compare_runs' table at the end of a script's output."""
     lines = stdout.splitlines()
     header = max(i for i, line in enumerate(lines) if line.startswith("run ") and "final val" in line)
-    return [line for line in lines[header + 2:] if line and not line.startswith("plot:")]
+    return [line for line in lines[header + 2:] if line and not line.startswith(("plot:", "(no run reaches"))]
 
 
 def bash(*args, env_extra=None, cwd=REPO):
@@ -97,8 +97,8 @@ def test_throughput_sh_runs_the_40_step_protocol_for_each_model(tmp_path):
 
 
 def stub_repo(tmp_path, *scripts):
-    """A copy of the repo's given scripts and model_variants.py, whose setup.sh, train_gpt2.py, data/fineweb.py
-    and torchrun only record how they were called (in calls.txt); returns the PATH that finds the stub torchrun."""
+    """A copy of the repo's given scripts and model_variants.py, whose setup.sh, train_gpt2.py, data/fineweb.py and
+    scripts/launch.py only record how they were called (in calls.txt); returns the PATH to run them with."""
     (tmp_path / "scripts").mkdir()
     (tmp_path / "data").mkdir()
     for script in (*scripts, "env.sh"):
@@ -108,12 +108,9 @@ def stub_repo(tmp_path, *scripts):
     if not (tmp_path / "scripts" / "setup.sh").exists():
         (tmp_path / "scripts" / "setup.sh").write_text('echo "setup $*" >> calls.txt\n')
     (tmp_path / "train_gpt2.py").write_text(record.format("python3 train_gpt2.py"))
+    (tmp_path / "scripts" / "launch.py").write_text(record.format("launch.py"))
     (tmp_path / "data" / "fineweb.py").write_text(record.format("fineweb.py"))
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "torchrun").write_text('#!/usr/bin/env bash\necho "torchrun $*" >> calls.txt\n')
-    (bin_dir / "torchrun").chmod(0o755)
-    return f"{bin_dir}:{os.environ['PATH']}"
+    return os.environ["PATH"]
 
 
 def run_stubbed(tmp_path, path: str, script: str, *args: str, **env: str):
@@ -138,7 +135,7 @@ def test_speedrun_sh_fetches_the_shards_the_recipe_and_its_overtime_read(tmp_pat
     assert launch == "python3 train_gpt2.py --model d12_fast --batch_size 16"
     assert (recipe["lr_schedule"], recipe["val_loss_every"]) == ("target", "auto")
     _, calls = run_stubbed(tmp_path, path, "speedrun.sh", NPROC="2")
-    assert calls[1] == "torchrun --standalone --nproc_per_node=2 train_gpt2.py --model d12_fast"
+    assert calls[1] == "launch.py 2 train_gpt2.py --model d12_fast"  # torchrun, through scripts/launch.py
     _, calls = run_stubbed(tmp_path, path, "speedrun.sh", "--input_bin", "x.bin", SETUP="0")  # set up already
     assert calls == ["python3 train_gpt2.py --model d12_fast --input_bin x.bin"]
 
