@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from compare_runs import load_run  # noqa: E402
 from proxy import PROTOCOLS, parse_tokens  # noqa: E402
+from data.shards import check_output_file  # noqa: E402
 from train_gpt2 import (NOCAP_TARGET_VAL_LOSS, NOCAP_VAL_TOKENS, ArgumentParser, InputError,  # noqa: E402
                         atomic_write_text, need_package, report_input_errors)
 
@@ -104,6 +105,8 @@ def record_logs(record_dir: str) -> list[str]:
 
 
 def known_record(record_dir: str) -> Record:
+    if not os.path.isdir(record_dir):
+        raise InputError(f"{record_dir}: no such folder; pass a folder of modded-nanogpt's records/track_1_short/")
     name = record_name(record_dir)
     if name not in RECORDS:
         raise InputError(f"{record_dir}: {name} is not in the calibration set ({', '.join(RECORDS)}); add what "
@@ -370,6 +373,24 @@ def plot(by_budget: dict[float, dict[str, list[float]]], fineweb: dict[str, floa
 
 # -----------------------------------------------------------------------------
 
+def read_fineweb_tokens(path: str) -> dict[str, float]:
+    """`fineweb`'s JSON, as each record's public FineWeb tokens; one error line where it is not that."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            entries = json.load(f)
+    except FileNotFoundError:
+        raise InputError(f"--fineweb {path}: no such file; make it with python scripts/calibrate.py fineweb "
+                         "RECORD_DIR... > FILE") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InputError(f"--fineweb {path}: not valid JSON; make it again with python scripts/calibrate.py "
+                         "fineweb") from None
+    if not isinstance(entries, dict) or not all(isinstance(e, dict) and isinstance(e.get("tokens"), (int, float))
+                                                for e in entries.values()):
+        raise InputError(f"--fineweb {path}: not what python scripts/calibrate.py fineweb writes ({{record: "
+                         "{\"tokens\": ...}}}); make it again with that command")
+    return {name: entry["tokens"] for name, entry in entries.items()}
+
+
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -406,8 +427,9 @@ def dispatch(args) -> int:
     elif args.command == "run":
         print(run_record(args.record, parse_tokens(args.budget), args.data, args.work, args.gpu))
     else:
-        with open(args.fineweb) as f:
-            public = {name: entry["tokens"] for name, entry in json.load(f).items()}
+        public = read_fineweb_tokens(args.fineweb)
+        if args.plot:
+            check_output_file(args.plot, "--plot")
         pairs = []
         for item in args.runs:
             label, sep, run_dir = item.partition("=")

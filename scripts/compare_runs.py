@@ -20,6 +20,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from data.shards import check_output_file  # noqa: E402
 from train_gpt2 import ArgumentParser, InputError, build_parser, need_package, read_metrics  # noqa: E402
 
 # Flags that do not change what is trained: runs differing only in these are seeds of one config.
@@ -46,6 +47,9 @@ def load_run(run_dir: str) -> dict:
                     optional[name] = json.load(f)
             except json.JSONDecodeError:
                 raise LogError(f"{path}: not valid JSON; the file is corrupt") from None
+            if not isinstance(optional[name], dict):
+                held = "null" if optional[name] is None else type(optional[name]).__name__
+                raise LogError(f"{path}: holds {held}, not the JSON object train_gpt2.py writes; the file is corrupt")
     evals = [r for r in records if r.get("val_loss") is not None]  # null: a non-finite loss (a diverged run)
     steps = [r for r in records if "train_loss" in r]
     if not evals:
@@ -247,11 +251,15 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         target = parse_target(args.target)
+        if args.plot:
+            check_output_file(args.plot, "--plot")
         runs = [load_run(d) for d in args.run_dirs]
         paired = target == "paired"
         if target == "first":
             target = runs[0]["evals"][-1]["val_loss"]
         print(comparison_table(group_runs(runs), None if paired else target, paired))
+        if not paired and not any(crossing(run["evals"], target) for run in runs):
+            print(f"(no run reaches {target:g}; --target first times each to the first run's final loss)")
         if args.plot:
             plot(runs, None if paired else target, args.plot)
             print(f"plot: {args.plot}")

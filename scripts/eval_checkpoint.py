@@ -19,7 +19,7 @@ def score(model, val_bin: str, val_tokens: int, val_batch_size: int, sequence_le
     """Mean next-token loss of `model` on the first val_tokens tokens of the first shard matching val_bin."""
     device = next(model.parameters()).device
     val = ValidationSet(val_bin, val_tokens, val_batch_size, sequence_length, rank=0, world_size=1,
-                        vocab_size=model.config.vocab_size, device=device)
+                        vocab_size=model.config.vocab_size, device=device, flag="--val_bin")
     return evaluate(model, val, world_size=1, dtype=dtype)
 
 
@@ -27,7 +27,9 @@ def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="a ckpt_*.pt written by train_gpt2.py")
     p.add_argument("--val_bin", required=True, help="glob of validation shards; the first one is scored")
-    p.add_argument("--val_tokens", type=int, default=1_048_576, help="tokens scored (a multiple of 16*1024)")
+    p.add_argument("--val_tokens", type=int, default=1_048_576,
+                   help="tokens scored from the shard's start, a whole number of rows (the bundled sample's "
+                        "validation shard holds 400,000: the CPU demo scores its first 65,536)")
     p.add_argument("--val_batch_size", type=int, default=16)
     p.add_argument("--sequence_length", type=int, default=None,
                    help="tokens per validation row; default: the trainer's, NoCap's 1024 (or the training length, "
@@ -39,6 +41,8 @@ def main(argv=None) -> int:
     def run() -> int:
         model, ckpt = model_from_checkpoint(args.checkpoint, pick_device(args.device))
         block_size = model.config.block_size
+        if args.sequence_length is not None and args.sequence_length < 1:
+            raise InputError(f"--sequence_length {args.sequence_length} must be >= 1")
         if args.sequence_length and args.sequence_length > block_size:
             raise InputError(f"--sequence_length {args.sequence_length} is longer than the checkpoint's block_size "
                              f"{block_size}; pass --sequence_length {block_size} or less")

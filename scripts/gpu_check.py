@@ -134,7 +134,7 @@ def checks(args) -> list[list[Check]]:
     profile = [Check("profile --compile", tool(cap, "scripts/profile_model.py", "--model", "d12_fast",
                                                "--batch_size", "16", "--sequence_length", "4096", "--compile",
                                                "--input_bin", os.path.join(data, "mix_train_000001.bin")))]
-    groups = [main_group, resume, baseline, *([c] for c in p100), calibrate, profile]
+    groups = [main_group, resume, calibrate, baseline, *([c] for c in p100), profile]  # the longest first
     if gpu_count() >= 2:
         groups.append([Check("torchrun x2", ["env", "NPROC=2", *main_job(data, work, "torchrun", cap, steps=24)],
                              [os.path.join(work, "torchrun")])])

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
-from model_variants import RECIPES  # noqa: E402
+from data.shards import check_output_file  # noqa: E402
+from model_variants import RECIPES, get_variant  # noqa: E402
 from train_gpt2 import (FINISHED_STATUSES, SCHEDULE_STEP_FLAGS, ArgumentParser, InputError,  # noqa: E402
                         overtime_applies, parse_args, read_json, read_shard_header, resolve_grad_accumulation)
 
@@ -144,11 +145,18 @@ def tokens_per_step(args) -> int:
 
 def parse_spec(protocol: Protocol, text: str, common: list[str] = ()) -> Spec:
     """`MODEL` or `NAME:MODEL FLAGS...` -> the run's name, model and complete trainer flags."""
-    head, _, rest = text.partition(":") if ":" in text.split()[0] else ("", "", text)
-    words = shlex.split(rest)
+    head, _, rest = text.partition(":") if text.split() and ":" in text.split()[0] else ("", "", text)
+    try:
+        words = shlex.split(rest)
+    except ValueError as e:  # an unclosed quote
+        raise InputError(f"spec {text!r}: {e}; quote each flag's value whole") from None
     if not words:
         raise InputError(f"spec {text!r}: no model")
     model, own = words[0], [*common, *words[1:]]  # the spec's own flags last: they win
+    try:
+        get_variant(model)
+    except KeyError as e:
+        raise InputError(f"spec {text!r}: {e.args[0]}") from None
     name = head or model
     budget, budget_given = None, "--budget" in own  # a form may carry a budget; the spec's wins
     if budget_given:
@@ -326,7 +334,8 @@ def conclude(protocol: Protocol, name: str, returncode: int, runs_dir: str, logs
         final = read_json(os.path.join(run_dir, "summary.json"))["final_val_loss"]
         print(f"done {name}: " + json.dumps({"val_loss": final, **checks}), flush=True)
     else:
-        print(f"failed {name}: exit {returncode}, see {os.path.join(logs_dir, name + '.log')}", flush=True)
+        print(f"error: {name} failed (exit {returncode}); its log: {os.path.join(logs_dir, name + '.log')}",
+              file=sys.stderr, flush=True)
     for f in os.listdir(run_dir) if os.path.isdir(run_dir) else ():
         if f.startswith("ckpt_"):
             os.remove(os.path.join(run_dir, f))  # ~1.5 GB each; the checks have been scored
@@ -373,7 +382,8 @@ def run_specs(protocol: Protocol, specs: list[Spec], data: str, work: str, jobs:
         stuck = pending and not running and not any(shards_ready(protocol, s, data) for s in pending)
         if stuck and time.monotonic() > give_up:
             for spec in pending:
-                print(f"failed {spec.name}: its shards did not arrive in {data} within {wait_s:.0f}s", flush=True)
+                print(f"error: {spec.name} not run: its shards did not arrive in {data} within {wait_s:.0f}s",
+                      file=sys.stderr, flush=True)
             break
         if pending or running:
             time.sleep(poll_s)
@@ -415,6 +425,12 @@ def run_command(protocol: Protocol, args) -> int:
     if gpus is not None and (not all(g.strip() for g in gpus) or len(set(gpus)) < len(gpus)):
         raise InputError(f"--gpus {args.gpus!r}: pass distinct GPUs separated by commas, e.g. --gpus 0,1,2,3")
     work = args.work or os.path.join("logs", f"{protocol.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if args.plot and os.path.dirname(os.path.abspath(args.plot)) != os.path.abspath(work):  # work: made below
+        check_output_file(args.plot, "--plot")
+    if args.src is None and args.wait == 0 and not any(shards_ready(protocol, spec, args.data) for spec in specs):
+        raise InputError(f"--data {args.data}: no {protocol.train_shards[0]} there to start a run with; stage the "
+                         f"shards first (python scripts/proxy.py stage --src DIR --data {args.data}), or pass "
+                         "--src DIR or --wait SECONDS")
     for spec in specs:
         passes = spec.tokens / protocol.tokens
         note = f" ({passes:.1f} passes)" if passes > 1.01 else ""

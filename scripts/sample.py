@@ -6,26 +6,27 @@
 temperature 0 is greedy decoding (deterministic).
 """
 
+import math
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from data.fineweb import gpt2_encoding  # noqa: E402
 from train_gpt2 import ArgumentParser, InputError, model_from_checkpoint, pick_device, report_input_errors  # noqa: E402
 
 EOT = 50256
 
 
-def gpt2_encoder():
-    """tiktoken's GPT-2 encoding; tiktoken downloads its two files the first time, so offline without them
-    this is one error line."""
-    import tiktoken
-    try:
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # noqa: BLE001 — reported with its cause, not hidden
-        raise InputError(f"the GPT-2 tokenizer's files could not be loaded ({type(e).__name__}); connect to the "
-                         "network once, or set TIKTOKEN_CACHE_DIR to a folder that holds them") from None
+def check_sampling_flags(args):
+    """Numbers that sample something: one line naming the flag otherwise."""
+    if not 0 <= args.temperature < math.inf:
+        raise InputError(f"--temperature {args.temperature} must be a finite number >= 0 (0: greedy)")
+    for name, least in (("max_new_tokens", 1), ("num_samples", 1), ("top_k", 0)):
+        if getattr(args, name) < least:
+            raise InputError(f"--{name} {getattr(args, name)} must be >= {least}" + (" (0: all tokens)" if least == 0
+                                                                                     else ""))
 
 
 def main(argv=None) -> int:
@@ -41,7 +42,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     def sample() -> int:
-        encoder = gpt2_encoder()
+        check_sampling_flags(args)
+        encoder = gpt2_encoding()
         device = pick_device(args.device)
         model, _ = model_from_checkpoint(args.checkpoint, device)
         prompt = [EOT] + encoder.encode_ordinary(args.prompt)

@@ -117,6 +117,27 @@ def test_a_record_outside_the_set_or_without_code_is_one_line(tmp_path, capsys, 
     assert "no training code with class Hyperparameters" in capsys.readouterr().err
 
 
+def test_a_missing_record_folder_is_one_line(tmp_path, capsys):
+    assert calibrate.main(["fineweb", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'nope'}: no such folder; pass a folder of modded-nanogpt's "
+                                       "records/track_1_short/\n")
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file; make it with python scripts/calibrate.py fineweb RECORD_DIR... > FILE"),
+    ("{not json", "not valid JSON; make it again with python scripts/calibrate.py fineweb"),
+    ("[1, 2]", "not what python scripts/calibrate.py fineweb writes"),
+    ('{"r0": {"spread": 1}}', "not what python scripts/calibrate.py fineweb writes"),
+])
+def test_a_bad_fineweb_file_is_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "fineweb.json"
+    if content is not None:
+        path.write_text(content)
+    assert calibrate.main(["table", "--fineweb", str(path), f"a={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --fineweb {path}: {message}") and err.count("\n") == 1
+
+
 def test_run_trains_the_prepared_record_and_reads_it_back_as_a_run_directory(tmp_path, fake_entry, monkeypatch):
     record = fake_record(tmp_path, [[(0, 11.0)]])
     bin_dir = tmp_path / "bin"  # torchrun with one process: here, the script itself

@@ -109,6 +109,9 @@ def test_a_bad_target_and_a_missing_matplotlib_are_one_line_each(tmp_path, capsy
     ("no_metrics", "no metrics.jsonl"),
     ("no_evals", "has no evaluation yet"),
     ("bad_summary", "summary.json: not valid JSON"),
+    ("null_summary", "summary.json: holds null, not the JSON object train_gpt2.py writes"),
+    ("list_config", "config.json: holds list, not the JSON object train_gpt2.py writes"),
+    ("plot_folder", "--plot /nonexistent/x.png: no such folder /nonexistent"),
 ])
 def test_missing_or_damaged_files_give_one_error_line(tmp_path, capsys, damage, message):
     run = write_run(tmp_path, "r", [(0, 0.0, 4.0)])
@@ -119,9 +122,13 @@ def test_missing_or_damaged_files_give_one_error_line(tmp_path, capsys, damage, 
     elif damage == "no_evals":
         lines = [line for line in open(f"{run}/metrics.jsonl") if "val_loss" not in line]
         open(f"{run}/metrics.jsonl", "w").write("".join(lines))
-    else:
+    elif damage == "bad_summary":
         (tmp_path / "r" / "summary.json").write_text("{")
-    assert compare_runs.main([run]) == 2
+    elif damage == "null_summary":
+        (tmp_path / "r" / "summary.json").write_text("null")
+    elif damage == "list_config":
+        (tmp_path / "r" / "config.json").write_text("[]")
+    assert compare_runs.main([run, *(["--plot", "/nonexistent/x.png"] if damage == "plot_folder" else [])]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
 
@@ -205,3 +212,12 @@ def test_a_flag_the_trainer_no_longer_has_splits_seeds_only_where_it_was_set(tmp
     assert compare_runs.main([a, b, c]) == 0
     rows = capsys.readouterr().out.splitlines()[2:]
     assert [row.split("  ")[0] for row in rows] == ["a_s0 (+1 seeds)", "c_s2"]
+
+
+def test_a_target_no_run_reaches_says_how_to_time_them_anyway(tmp_path, capsys):
+    run = write_run(tmp_path, "r", [(0, 0.0, 7.0), (10, 10.0, 6.0)])
+    assert compare_runs.main([run]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "(no run reaches 3.3821; --target first times each to the first run's final loss)")
+    assert compare_runs.main([run, "--target", "first"]) == 0
+    assert "no run reaches" not in capsys.readouterr().out

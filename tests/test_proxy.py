@@ -230,10 +230,27 @@ def test_a_spec_whose_shards_never_arrive_fails_after_the_wait(tmp_path, capsys)
     proxy.PROTOCOLS["TINY"] = tiny_protocol()
     try:
         code = proxy.main(["run", "TINY", "long:tiny --num_iterations 40", "--data", str(data),
-                           "--work", str(tmp_path / "work"), "--flags", TINY, "--wait", "0"])
+                           "--work", str(tmp_path / "work"), "--flags", TINY, "--wait", "0.1"])
+        assert code == 1 and "error: long not run: its shards did not arrive" in capsys.readouterr().err
+        # Not told to wait, a run whose shards are not there is bad input: one line, and no work folder.
+        code = proxy.main(["run", "TINY", "long:tiny --num_iterations 40", "--data", str(data),
+                           "--work", str(tmp_path / "none"), "--flags", TINY])
     finally:
         del proxy.PROTOCOLS["TINY"]
-    assert code == 1 and "failed long: its shards did not arrive" in capsys.readouterr().out
+    assert code == 2 and capsys.readouterr().err == (
+        f"error: --data {data}: no mix_train_000001.bin there to start a run with; stage the shards first (python "
+        f"scripts/proxy.py stage --src DIR --data {data}), or pass --src DIR or --wait SECONDS\n")
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("d12 --seed '1", "spec \"d12 --seed '1\": No closing quotation; quote each flag's value whole"),
+    ("d13", "spec 'd13': unknown model 'd13'; did you mean d36 or d12 or d12_mlp3?"),
+])
+def test_a_bad_spec_is_one_line(tmp_path, capsys, spec, message):
+    assert proxy.main(["run", "P100", spec, "--data", str(tmp_path), "--work", str(tmp_path / "work")]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+    assert not (tmp_path / "work").exists()
 
 
 @pytest.mark.parametrize("status, done", [("completed", True), ("reached_target", True), ("missed_target", True),

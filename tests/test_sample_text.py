@@ -81,3 +81,16 @@ def test_sample_script_offline_without_the_tokenizer_files_says_so_in_one_line(t
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: the GPT-2 tokenizer's files could not be loaded (ConnectionError); connect to the network "
                    "once, or set TIKTOKEN_CACHE_DIR to a folder that holds them"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--top_k", "-5"], "--top_k -5 must be >= 0 (0: all tokens)"),
+    (["--num_samples", "0"], "--num_samples 0 must be >= 1"),
+    (["--max_new_tokens", "-5"], "--max_new_tokens -5 must be >= 1"),
+    (["--temperature", "nan"], "--temperature nan must be a finite number >= 0 (0: greedy)"),
+    (["--temperature", "-1"], "--temperature -1.0 must be a finite number >= 0 (0: greedy)"),
+])
+def test_sample_scripts_bad_numbers_are_one_line(tmp_path, capsys, flags, message):
+    import sample
+    assert sample.main(["--checkpoint", str(tmp_path / "any.pt"), "--device", "cpu", *flags]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
