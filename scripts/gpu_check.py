@@ -92,10 +92,11 @@ def trainer_data(data: str) -> list[str]:
 
 def main_job(data: str, work: str, name: str, cap_gib: float, *extra: str, steps: int = 48) -> list[str]:
     """speedrun.sh's trainer line on local shards: `steps` steps of the self-sizing schedule and a sixth of that
-    in overtime, with bf16 scouts, fp32 judgments and NoCap's 1024-token rows, as the main job evaluates."""
+    in overtime, with bf16 scouts, fp32 judgments and NoCap's 1024-token rows, as the main job evaluates, on four
+    validation batches (an evaluation's memory, in a quarter of its time)."""
     return ["bash", "scripts/speedrun.sh", *trainer_data(data), "--output_dir", work, "--run_name", name,
             "--memory_cap_gib", str(cap_gib), "--num_iterations", str(steps), "--overtime_steps", str(steps // 6),
-            *extra]
+            "--val_tokens", "262144", *extra]
 
 
 def checks(args) -> list[list[Check]]:
