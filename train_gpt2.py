@@ -15,7 +15,6 @@ The file reads top to bottom in sections:
 
 import argparse
 import contextlib
-import copy
 import fcntl
 import glob
 import hashlib
@@ -2752,8 +2751,10 @@ def warm_up_compile(run: Run) -> float:
     loader = run.train_loader
     synchronize(run.env.device)
     t0 = time.perf_counter()
-    model_state = copy.deepcopy(run.raw_model.state_dict())
-    optimizer_state = copy.deepcopy(run.optimizer.state_dict())
+    # Host copies: a resumed run's optimizer state is whole already, and a second copy of it beside the warm-up's
+    # steps would not fit a 24 GB card.
+    model_state, optimizer_state = (torch.utils._pytree.tree_map_only(torch.Tensor, host_copy, state)
+                                    for state in (run.raw_model.state_dict(), run.optimizer.state_dict()))
     batches_drawn, shard, position = loader.batches_drawn, loader.shard, loader.position
     breaks_before = graph_breaks()
     try:

@@ -18,15 +18,16 @@ def run(capsys, shards, out, name, *extra):
     return code, captured.out, captured.err
 
 
-def four_steps_then_resume(capsys, monkeypatch, shards, tmp_path, name, *extra):
-    """A run of 8 steps as if killed after its step-4 checkpoint, resumed with `extra`: (exit code, out, err)."""
+def four_steps_then_resume(capsys, monkeypatch, shards, tmp_path, name, *extra, both=()):
+    """A run of 8 steps (with the flags `both`) as if killed after its step-4 checkpoint, resumed with `both` and
+    `extra`: (exit code, out, err)."""
     import train_gpt2
     with monkeypatch.context() as patch:
         patch.setattr(train_gpt2.os, "remove", lambda path: None)  # the step-4 checkpoint stays
-        assert run(capsys, shards, tmp_path, name, "--num_iterations", "8", "--save_every", "4")[0] == 0
+        assert run(capsys, shards, tmp_path, name, "--num_iterations", "8", "--save_every", "4", *both)[0] == 0
     for leftover in ("summary.json", "ckpt_000008.pt", "run.lock"):
         (tmp_path / name / leftover).unlink()
-    return run(capsys, shards, tmp_path, name, "--num_iterations", "8", "--resume", "auto", *extra)
+    return run(capsys, shards, tmp_path, name, "--num_iterations", "8", "--resume", "auto", *both, *extra)
 
 
 def test_a_resume_says_so_and_takes_the_learning_rate_and_weight_decay_it_is_given(tmp_path, shards, capsys,
@@ -127,3 +128,31 @@ def test_all_finite_sees_any_non_finite_value(value):
     assert all_finite(state)
     state["optimizer"][0]["m"][1, 1] = value
     assert all_finite(state) == (value == -1.0)
+
+
+def test_a_resumed_compiled_run_warms_up_on_host_copies_and_trains_like_the_eager_one(tmp_path, shards, capsys,
+                                                                                     monkeypatch):
+    """The compile warm-up trains real steps, then puts back the state it copied first: for a resumed run that is
+    a whole optimizer state, copied to the host (a second copy beside the warm-up's steps would not fit a 24 GB
+    card), and put back exactly."""
+    import train_gpt2
+    from conftest import count_compiles
+    muon = ("--optimizer", "muon")
+    code, _, _ = four_steps_then_resume(capsys, monkeypatch, shards, tmp_path, "eager", both=muon)
+    assert code == 0
+    copies, during_warm_up = [], []
+    real_copy = train_gpt2.host_copy
+    monkeypatch.setattr(train_gpt2, "host_copy", lambda t: copies.append(t.device.type) or real_copy(t))
+    count_compiles(monkeypatch)
+    real_warm_up = train_gpt2.warm_up_compile
+
+    def warm_up(run):
+        before = len(copies)
+        seconds = real_warm_up(run)
+        during_warm_up.extend(copies[before:])
+        return seconds
+    monkeypatch.setattr(train_gpt2, "warm_up_compile", warm_up)
+    code, _, _ = four_steps_then_resume(capsys, monkeypatch, shards, tmp_path, "compiled", "--compile", both=muon)
+    assert code == 0 and len(during_warm_up) > 20  # every tensor of the state, the optimizer's moments too
+    eager, compiled = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
+    assert compiled == pytest.approx(eager, abs=1e-6)
