@@ -2788,9 +2788,8 @@ def warm_up_compile(run: Run) -> float:
     loader.batches_drawn = batches_drawn
     synchronize(run.env.device)
     if run.env.device.type == "cuda":
-        # What the warm-up cached goes back (the state's copies, evaluation's sizes): training lays its memory out
-        # afresh. Kept, those blocks fragment it: d12_fast, which trains within 1.2 GiB of a 24 GB card's 22 GiB,
-        # ran out of memory in its third step under --memory_cap_gib 22.
+        # What the warm-up cached (evaluation's block sizes) goes back, and training lays its memory out afresh:
+        # kept, those blocks fragment it, and d12_fast trains within 1.2 GiB of a 24 GB card's usable 22 GiB.
         torch.cuda.empty_cache()
     return time.perf_counter() - t0
 

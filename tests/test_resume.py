@@ -113,13 +113,11 @@ def test_a_divergence_leaves_the_last_good_checkpoint_and_a_resume_recovers_from
 
 def test_a_state_that_is_not_finite_is_never_written(tmp_path, shards, capsys, monkeypatch):
     import train_gpt2
-    real = train_gpt2.all_finite
     monkeypatch.setattr(train_gpt2, "all_finite", lambda state: False)  # as if a weight had turned NaN
     code, _, err = run(capsys, shards, tmp_path, "run", "--save_every", "2")
     assert code == 1 and not list((tmp_path / "run").glob("ckpt_*.pt"))
     assert err.strip().splitlines()[-1].startswith("error: training diverged: the weights or the optimizer's state "
                                                    "are not finite at step 2; there is no checkpoint yet")
-    assert real is all_finite
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
