@@ -31,10 +31,11 @@ copies X into its output: 137 us where cuBLAS takes 194 at d12_fast's largest Mu
 
 import math
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
+
+import common
 
 try:
     import triton
@@ -55,20 +56,10 @@ def triton_runs_on(device: torch.device) -> bool:
 # -----------------------------------------------------------------------------
 # The seam: where each fast path's kernel runs, and one notice where it cannot
 
-_notices_shown: set[str] = set()
-
-
-# Notices are raised inside the model's forward too (a kernel that falls back). Traced by torch.compile,
-# the print would split the graph there, and a split inside the loop over blocks makes dynamo run the
-# rest of the forward uncompiled. Marked as a constant result, the call runs once while dynamo traces
-# and leaves nothing in the graph.
-@torch._dynamo.assume_constant_result
-def notice(message: str):
-    """A one-line notice on stderr, shown once per process (kernel fallbacks and the like)."""
-    if message not in _notices_shown and int(os.environ.get("RANK", "0")) == 0:
-        _notices_shown.add(message)
-        print(f"notice: {message}", file=sys.stderr, flush=True)
-
+# Notices are raised inside the model's forward too (a kernel that falls back). Traced by torch.compile, the print
+# would split the graph there, and a split inside the loop over blocks makes dynamo run the rest of the forward
+# uncompiled. Marked as a constant result, the call runs once while dynamo traces and leaves nothing in the graph.
+notice = torch._dynamo.assume_constant_result(common.notice)
 
 # Each fast path, what runs on a CUDA GPU where its kernel cannot, and whether its tiles need an sm_90+ GPU
 # (an H100's shared memory and tensor memory accelerator; an A100's or an RTX 4090's are smaller).
@@ -945,3 +936,9 @@ class ReLU2MLP(torch.autograd.Function):
         grad_w_fc, grad_w_proj = grad_pre.t() @ rows, grad_rows.t() @ post
         x_dtype, w_fc_dtype, w_proj_dtype = ctx.dtypes
         return grad_x.to(x_dtype), grad_w_fc.to(w_fc_dtype), grad_w_proj.to(w_proj_dtype), None, None
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device: on a GPU through pinned memory, without waiting, so the host goes on
+    queueing work."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t

@@ -15,20 +15,13 @@ The file reads top to bottom in sections:
 
 import argparse
 import contextlib
-import fcntl
-import glob
-import hashlib
-import importlib
-import json
 import math
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 try:  # a few seconds of loading torch: Ctrl-C there is a stop, not a traceback of the import machinery
@@ -39,10 +32,15 @@ try:  # a few seconds of loading torch: Ctrl-C there is a stop, not a traceback 
     import torch.nn.functional as F
 
     import kernels
-    from data.shards import (HEADER_BYTES, ArgumentParser, InputError, check_token_range, load_shard, match_shards,
-                             need_package, read_shard_header)
-    from kernels import notice
+    from data.shards import HEADER_BYTES, check_token_range, load_shard, match_shards, read_shard_header
+    from common import ArgumentParser, InputError, WriteFailed, need_package, notice, report_input_errors
+    from kernels import host_to_device
     from model_variants import RECIPES, VARIANTS, GPTConfig, config_fields, get_variant, with_overrides
+    from optimizers import MUON_MOMENTUM, BatchedMuon, Lion, Optimizers
+    from run_dir import (CHECKPOINT_FORMAT, RunDirClaim, RunLog, all_finite, atomic_write, check_run_dir,
+                         format_summary, git_sha, list_checkpoints, load_checkpoint, read_metrics, repair_run_dir,
+                         resolve_checkpoint_path, run_dir_path, state_digest)
+    from schedule import Schedule, StepSettings, Turn, overtime_applies, warmdown_start
 except KeyboardInterrupt:
     print("interrupted while loading torch: nothing ran", file=sys.stderr)
     sys.exit(128 + signal.SIGINT)
@@ -59,7 +57,6 @@ NOCAP_VAL_TOKENS = 1_048_576  # fixed so that every run is scored on exactly the
 NOCAP_VAL_ROW = 1024  # NoCap's validation rows: 64 batches of 16 x 1024
 OPTIMIZERS = ("adamw", "adamw8bit", "lion", "muon")
 COMPILE_TUNINGS = ("coordinate_descent", "combo_kernels", "none")
-MUON_MOMENTUM = 0.95  # after --muon_momentum_warmup's rise from 0.85 (the modded-nanogpt lineage's)
 # The sampled softmax draws its columns by the token counts of this much of the training data's start (two P100
 # shards, part of one FineWeb shard): any token more frequent than one in a million is counted ~40 times. A fixed
 # amount, not whatever the shards present hold: the weights 1 + count smooth rare tokens by an amount that depends
@@ -445,11 +442,6 @@ def scores_nocap_rows(args) -> bool:
 def nocap_rows_batch(args) -> int:
     """Rows per batch of NoCap's 1024-token rows that hold a batch of validation rows' tokens (the same memory)."""
     return args.val_batch_size * val_row_length(args) // NOCAP_VAL_ROW
-
-
-def overtime_applies(args) -> bool:
-    """Whether a schedule that ends above the target trains on (--overtime_steps), which needs a target."""
-    return args.overtime_steps > 0 and args.target_val_loss > 0
 
 
 # =============================================================================
@@ -1205,12 +1197,6 @@ class GPT(nn.Module):
 # Data: a loader with NoCap's data order over the token shards (their format: data/shards.py)
 # =============================================================================
 
-def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on the device: on a GPU through pinned memory, without waiting, so the host goes on
-    queueing work."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
 def tokens_to_device(tokens: np.ndarray, device: torch.device) -> torch.Tensor:
     """uint16 tokens as an int64 tensor on the device."""
     return host_to_device(torch.from_numpy(tokens.astype(np.int64)), device)
@@ -1399,203 +1385,6 @@ def evaluate(model: nn.Module, val: ValidationSet, world_size: int, dtype: str =
 # Optimizer & schedule
 # =============================================================================
 
-class Optimizers:
-    """Several optimizers stepped, scheduled and checkpointed as one (Muon for the hidden matrices
-    beside AdamW for the rest). Each group's peak learning rate is kept as group["peak_lr"]."""
-
-    def __init__(self, optimizers: list[torch.optim.Optimizer]):
-        self.optimizers = optimizers
-        for group in self.param_groups:
-            group["peak_lr"] = float(group["lr"])
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return [group for opt in self.optimizers for group in opt.param_groups]
-
-    def set_lr_scale(self, scale: float):
-        for group in self.param_groups:
-            if isinstance(group["lr"], torch.Tensor):  # torchao keeps it a tensor, so that its compiled step stays
-                group["lr"].fill_(group["peak_lr"] * scale)
-            else:
-                group["lr"] = group["peak_lr"] * scale
-
-    def set_momentum(self, momentum: float):
-        """Muon groups' momentum (AdamW's betas stay as they are)."""
-        for opt in self.optimizers:
-            if isinstance(opt, torch.optim.Muon):
-                for group in opt.param_groups:
-                    group["momentum"] = momentum
-
-    def step(self):
-        for opt in self.optimizers:
-            opt.step()
-
-    def zero_grad(self, set_to_none: bool = True):
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
-
-    def load_state_dict(self, state: dict):
-        """The optimizers' state (moments, momentum buffers, step counts) from a checkpoint. The hyperparameters
-        (learning rates, weight decay, betas) stay this run's, its flags': a run resumed with a lower
-        --learning_rate trains with it."""
-        for opt, opt_state in zip(self.optimizers, state["optimizers"], strict=True):
-            hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
-            opt.load_state_dict(opt_state)
-            for group, values in zip(opt.param_groups, hyperparameters, strict=True):
-                group.update(values)
-
-
-def closure_loss(closure) -> torch.Tensor | None:
-    """torch.optim's step(closure) contract: re-evaluate the model (with gradients) when given a closure."""
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
-
-
-class BatchedMuon(torch.optim.Muon):
-    """torch.optim.Muon's update (momentum, Nesterov, Newton-Schulz, decoupled weight decay, the
-    sqrt(max(1, rows/cols)) learning-rate scale) for all matrices of one shape at once: torch's orthogonalizes one
-    matrix at a time, ~1,000 kernel launches and 27.6 ms a step for d12_fast's 48 matrices on an H100, the GPU
-    mostly waiting on the host. Optional refinements: NorMuon's row scaling (`normuon_beta2` > 0, a running mean
-    square per row kept as "second_moment") and cautious weight decay (`muon_update`). Compiled, each shape's
-    update is one graph; a shape with a matrix that got no gradient this step (LayerDrop) updates eagerly, since
-    each such subset would be a graph of its own. State and checkpoints are torch.optim.Muon's."""
-
-    def __init__(self, params, *args, compiled: bool = False, normuon_beta2: float = 0.0, cautious: bool = False,
-                 **kwargs):
-        super().__init__(params, *args, **kwargs)
-        self.normuon_beta2, self.cautious = normuon_beta2, cautious
-        self.compiled_update = torch.compile(muon_update, fullgraph=True, dynamic=False) if compiled else None
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure_loss(closure)
-        for group in self.param_groups:
-            if group["adjust_lr_fn"] not in (None, "original"):
-                raise ValueError(f"BatchedMuon: adjust_lr_fn={group['adjust_lr_fn']!r} is not supported")
-            lr, decay = float(group["lr"]), group["weight_decay"]
-            coefficients = tuple(group["ns_coefficients"])
-            by_shape: dict[torch.Size, list[nn.Parameter]] = {}
-            for p in group["params"]:
-                by_shape.setdefault(p.shape, []).append(p)
-            for (rows, cols), shaped in by_shape.items():
-                params = [p for p in shaped if p.grad is not None]
-                if not params:
-                    continue
-                for p in params:
-                    if "momentum_buffer" not in self.state[p]:
-                        self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
-                    if self.normuon_beta2 and "second_moment" not in self.state[p]:
-                        self.state[p]["second_moment"] = p.new_zeros(
-                            (rows, 1) if rows >= cols else (1, cols), dtype=torch.float32)
-                second_moments = [self.state[p]["second_moment"] for p in params] if self.normuon_beta2 else None
-                # Device tensors, not Python numbers: a compiled graph would be rebuilt for every new lr.
-                step_size = lr * math.sqrt(max(1, rows / cols))
-                keep, cautious_decay = (1.0, lr * decay * step_size) if self.cautious else (1 - lr * decay, 0.0)
-                hyper = host_to_device(torch.tensor([group["momentum"], keep, step_size, cautious_decay]),
-                                       params[0].device)
-                whole = len(params) == len(shaped)
-                update = self.compiled_update if whole and self.compiled_update is not None else muon_update
-                update(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params], hyper,
-                       group["nesterov"], coefficients, group["ns_steps"], group["eps"], second_moments,
-                       self.normuon_beta2, self.cautious)
-        return loss
-
-
-def muon_update(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor],
-                hyper: torch.Tensor, nesterov: bool, coefficients: tuple[float, float, float], steps: int,
-                eps: float, second_moments: list[torch.Tensor] | None, beta2: float, cautious: bool = False):
-    """One Muon step of same-shaped matrices, in place: each momentum buffer moves toward its gradient, the
-    update (Nesterov's mix of gradient and buffer, or the buffer) is orthogonalized (and row-scaled by NorMuon
-    given second_moments), and each matrix becomes keep * p - step_size * update; hyper holds (momentum,
-    keep = 1 - lr * weight decay, step_size, cautious_decay).
-    Cautious (Chen et al. 2025): keep is 1, and a weight loses cautious_decay of itself only where the update
-    and the weight have one sign, where the step shrinks it anyway: such decay leaves the loss's stationary
-    points alone, where plain decay trades loss for smaller weights."""
-    momentum, keep, step_size, cautious_decay = hyper.unbind()
-    updates = []
-    for g, m in zip(grads, buffers):
-        m.lerp_(g, 1 - momentum)
-        updates.append(g.lerp(m, momentum) if nesterov else m)
-    ortho = newton_schulz(torch.stack(updates), coefficients, steps, eps)
-    if second_moments is not None:
-        ortho = normuon_scale(ortho, second_moments, beta2)
-    for p, o in zip(params, ortho.unbind(0)):
-        o = o.to(p.dtype)
-        if cautious:
-            p.sub_(step_size * o + cautious_decay * (o * p >= 0) * p)
-        else:
-            p.mul_(keep).sub_(step_size * o)
-
-
-def normuon_scale(ortho: torch.Tensor, second_moments: list[torch.Tensor], beta2: float) -> torch.Tensor:
-    """NorMuon (Li et al. 2025): an orthogonalized update's rows (the longer side's units) can still differ in
-    size. Each row is divided by the root of a running mean (decay beta2, second_moments, in place) of its mean
-    square, then each matrix rescaled to its Frobenius norm before, so the learning rate keeps its meaning."""
-    wide = ortho.size(-2) < ortho.size(-1)
-    mean_square = ortho.float().square().mean(dim=-2 if wide else -1, keepdim=True)
-    for v, current in zip(second_moments, mean_square.unbind(0)):
-        v.lerp_(current, 1 - beta2)
-    scale = torch.stack(second_moments).clamp(min=1e-10).rsqrt()
-    # each matrix's Frobenius norm before the scaling over the one after; 0 for a zero update (a matrix
-    # whose gradient is still zero, behind a zero-initialized projection), which stays zero
-    keep = (mean_square.sum(dim=(-2, -1), keepdim=True)
-            / (mean_square * scale.square()).sum(dim=(-2, -1), keepdim=True).clamp(min=1e-30)).sqrt()
-    return ortho * (scale * keep).to(ortho.dtype)
-
-
-class Lion(torch.optim.Optimizer):
-    """Lion (Chen et al. 2023): each coordinate moves by lr in the direction of sign(beta1 m + (1 - beta1) g),
-    then m <- beta2 m + (1 - beta2) g; decoupled weight decay. Half of AdamW's state."""
-
-    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure_loss(closure)
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            beta1, beta2 = group["betas"]
-            grads = [p.grad for p in params]
-            for p in params:
-                if "exp_avg" not in self.state[p]:
-                    self.state[p]["exp_avg"] = torch.zeros_like(p)
-            momenta = [self.state[p]["exp_avg"] for p in params]
-            updates = torch._foreach_lerp(momenta, grads, 1 - beta1)
-            torch._foreach_sign_(updates)
-            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-            torch._foreach_add_(params, updates, alpha=-group["lr"])
-            torch._foreach_lerp_(momenta, grads, 1 - beta2)
-        return loss
-
-
-def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
-                  eps: float) -> torch.Tensor:
-    """torch.optim.Muon's Newton-Schulz iteration, batched: each matrix of a stack (n, rows, cols), in bf16 and
-    wide orientation (A the smaller Gram matrix), scaled to spectral norm <= 1, then X <- aX + (bA + cA^2)X with
-    A = XX^T, `steps` times. The symmetric products compute half of each on H100-class GPUs (kernels.py)."""
-    x = updates.bfloat16()
-    tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
-    # Row-major, as the kernels take it: a tall stack's wide view is column-major, which also costs cuBLAS's
-    # batched product more than twice the time of a row-major one.
-    x = (x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)).contiguous()
-    a, b, c = coefficients
-    for _ in range(steps):
-        gram = kernels.symmetric_product(x)
-        # bA + cA^2 is bA + cAA^T for the symmetric A, so the symmetric product serves again
-        x = kernels.product_plus(kernels.symmetric_product(gram, alpha=c, beta=b), x, beta=a)
-    return x.mT if tall else x
-
-
 def muon_params(model: GPT) -> list[nn.Parameter]:
     """The hidden weight matrices Muon orthogonalizes: every Linear inside the blocks (attention, MLP,
     the MTP projections) but the MoE router. Embeddings, the head, gains and 3-D expert stacks stay with AdamW,
@@ -1640,79 +1429,6 @@ def make_optimizer(model: GPT, args, device: torch.device, compiled: bool = Fals
                     cautious=args.cautious_weight_decay > 0, compiled=compiled, normuon_beta2=args.normuon_beta2),
         torch.optim.AdamW([g for g in groups if g["params"]], **adamw),
     ])
-
-
-LAYERDROP_UNTIL = 0.8  # LayerDrop's share of the run: the whole network trains the rest, as the plans ask
-
-
-class StepSettings(NamedTuple):
-    """What changes with the step, in one table (schedule_at): everything a training step reads from the
-    schedule. Step-counted flags set where each changes; --num_iterations alone re-sizes them (resized_schedule)."""
-    lr_scale: float  # every group's peak learning rate times this (lr_scale)
-    muon_momentum: float  # 0.85 rising linearly to MUON_MOMENTUM by --muon_momentum_warmup
-    row_length: int  # the curriculum: a quarter of --sequence_length doubling up to it by --curriculum_iters
-    local_window: int  # the window warmup: a quarter of the model's window doubling up to it by --window_iters
-    layerdrop: float  # LayerDrop's skip probability: --layerdrop falling linearly to 0 at LAYERDROP_UNTIL
-
-
-def schedule_at(step: int, args, config: GPTConfig, warmdown: tuple | None = None) -> StepSettings:
-    warmup, drop_iters = args.muon_momentum_warmup, round(LAYERDROP_UNTIL * args.num_iterations)
-    return StepSettings(
-        lr_scale=lr_scale(step, args, warmdown),
-        muon_momentum=MUON_MOMENTUM if step >= warmup else 0.85 + (MUON_MOMENTUM - 0.85) * step / warmup,
-        row_length=doubling_at(step, args.sequence_length, args.curriculum_iters),
-        local_window=doubling_at(step, config.window, args.window_iters),
-        layerdrop=args.layerdrop * (1 - step / drop_iters) if step < drop_iters else 0.0)
-
-
-def lr_scale(step: int, args, warmdown: tuple | None = None) -> float:
-    """Step `step`'s learning rate as a multiple of each group's peak. trapezoid (NoCap's): linear warmup,
-    constant, a linear warmdown over the last warmdown_iters steps to lr_floor (NoCap: 0), where it stays (in
-    overtime); target: the trapezoid with the warmdown the run chose, `warmdown` = its legs (warmdown_lr), or
-    the latest one (warmdown_start) until it chooses. one_cycle: torch's OneCycleLR, cosine from 1/25 to 1 at step
-    warmup_iters - 1, then down to lr_floor at step num_iterations - 1, where it stays."""
-    if args.lr_schedule == "one_cycle":
-        peak_step, last_step = args.warmup_iters - 1, args.num_iterations - 1
-        if step <= peak_step:
-            return cosine_between(1 / 25, 1.0, step / peak_step if peak_step else 1.0)
-        return cosine_between(1.0, args.lr_floor, min(1.0, (step - peak_step) / (last_step - peak_step)))
-    if step < args.warmup_iters:
-        return (step + 1) / args.warmup_iters
-    return warmdown_lr(step, warmdown or ((warmdown_start(args), args.num_iterations),), args.lr_floor)
-
-
-def warmdown_start(args) -> int:
-    """The first step of the schedule's own warmdown, the last --warmdown_iters steps; --lr_schedule target's at
-    the latest halfway, so that the run reads a constant phase as long as the warmdown it sizes from it."""
-    warmdown = min(args.warmdown_iters, args.num_iterations // 2) if args.lr_schedule == "target" \
-        else args.warmdown_iters
-    return args.num_iterations - warmdown
-
-
-def warmdown_lr(step: int, legs: tuple, floor: float) -> float:
-    """The learning rate (x the peak) at `step` of a warmdown of legs ((first step, end), ...): the peak before
-    the first leg; from each leg's first step, a straight line from where the rate stands to `floor` at the leg's
-    end, where it stays. One leg is the trapezoid's warmdown; --lr_schedule target adds one per re-aim."""
-    level = 1.0
-    for (first, end), (following, _) in zip(legs, legs[1:] + ((math.inf, None),)):
-        if step < first:
-            return level
-        if step < following:
-            return floor if step >= end else floor + (level - floor) * (end - step) / (end - first)
-        level = floor + (level - floor) * (end - following) / (end - first)  # a re-aim comes before the end
-
-
-def cosine_between(start: float, end: float, fraction: float) -> float:
-    """Half a cosine from start (fraction 0) to end (fraction 1)."""
-    return end + (start - end) * (1 + math.cos(math.pi * fraction)) / 2
-
-
-def doubling_at(step: int, end: int, iters: int) -> int:
-    """A quarter of `end` until the halfway step to `iters`, half of it until `iters`, then `end` (throughout
-    where iters is 0): the curriculum's and the window warmup's stages."""
-    if step >= iters:
-        return end
-    return (end // 4) << (step * 2 // iters)
 
 
 def micro_batch_seed(seed: int, step: int, micro_step: int, rank: int = 0) -> int:
@@ -1890,436 +1606,12 @@ class StepMeter:
 # Run directory, logs and checkpoints
 # =============================================================================
 
-# 3: GPTConfig without fp8_head, fp8_mlp and attn_gate; 2: the digest of the contents travels inside the file (1: in
-# a .sha256 file beside it)
-CHECKPOINT_FORMAT = 4
-FINISHED_STATUSES = ("reached_target", "completed", "missed_target")
-LOCK_NAME = "run.lock"
-
-
-class WriteFailed(Exception):
-    """A file of the run directory could not be written (a full disk, a quota, a vanished mount). The run
-    stops with one `error:` line and exit code 1; the newest whole checkpoint stays for --resume auto."""
-
-    def __init__(self, path: str, error: OSError):
-        super().__init__(f"{path}: {error.strerror or error}")
-        self.path = path
-
-
-def atomic_write(path: str, write, mode: str = "w"):
-    """write(file) into a temporary file beside `path`, then the rename: a file at `path` is always whole. A
-    write that fails removes its temporary file and raises WriteFailed."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, mode) as f:
-            write(f)
-        os.replace(tmp, path)
-    except Exception as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        # torch.save reports a write that failed as a RuntimeError raised while handling the OSError.
-        error = e if isinstance(e, OSError) else e.__context__
-        if isinstance(error, OSError):
-            raise WriteFailed(path, error) from None
-        raise
-
-
-def atomic_write_text(path: str, text: str):
-    atomic_write(path, lambda f: f.write(text))
-
-
-def state_leaves(obj):
-    """Everything a checkpoint holds, in order: ("tensor", t) for each tensor (a wrapper tensor such as torchao's
-    8-bit state as ("wrapper", its type, shape and metadata), then the tensors it wraps), ("open", "{" or "[")
-    before a container's items, ("value", v) for anything else."""
-    if isinstance(obj, torch.Tensor) and type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
-        names, meta = obj.__tensor_flatten__()
-        yield "wrapper", f"{type(obj).__name__}{tuple(obj.shape)}{meta!r}"
-        for name in names:
-            yield from state_leaves(getattr(obj, name))
-    elif isinstance(obj, torch.Tensor):
-        yield "tensor", obj
-    elif isinstance(obj, dict):
-        yield "open", "{"
-        for key, item in obj.items():
-            yield from state_leaves(key)
-            yield from state_leaves(item)
-    elif isinstance(obj, (list, tuple)):
-        yield "open", "["
-        for item in obj:
-            yield from state_leaves(item)
-    else:
-        yield "value", obj
-
-
-def state_digest(obj) -> str:
-    """SHA-256 of everything a checkpoint holds (state_leaves): tensors by dtype, shape and bytes, containers in
-    order, other values by their repr."""
-    digest = hashlib.sha256()
-    for kind, leaf in state_leaves(obj):
-        if kind == "tensor":
-            digest.update(f"{leaf.dtype}{tuple(leaf.shape)}".encode())
-            digest.update(leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-        elif kind == "value":
-            digest.update(f"{type(leaf).__name__}:{leaf!r};".encode())
-        else:
-            digest.update(leaf.encode())
-    return digest.hexdigest()
-
-
-def all_finite(obj) -> bool:
-    """Whether every floating-point tensor a state holds is finite (one synchronization per device)."""
-    checks: dict[torch.device, list[torch.Tensor]] = {}
-    for kind, leaf in state_leaves(obj):
-        if kind == "tensor" and leaf.is_floating_point():
-            checks.setdefault(leaf.device, []).append(torch.isfinite(leaf).all())
-    return all(bool(torch.stack(found).all()) for found in checks.values())
-
-
-def remove_unfinished_writes(run_dir: str):
-    """Temporary files an interrupted save left behind (a full checkpoint each): no later run reads them."""
-    stale = glob.glob(os.path.join(run_dir, "*.tmp[0-9]*"))
-    for path in stale:
-        os.remove(path)
-    if stale:
-        notice(f"{run_dir}: removed {len(stale)} unfinished file(s) an interrupted save left behind")
-
-
-def git_sha() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_DIR, capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
-def list_checkpoints(run_dir: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(run_dir, "ckpt_*.pt")))
-
-
-def run_dir_path(args) -> str:
-    """Where this run writes: <output_dir>/<run_name>, the resumed checkpoint's own directory, or a new
-    <model>-<time> directory."""
-    if args.run_name is not None:
-        name = args.run_name
-        if name in ("", ".", "..") or "/" in name or os.sep in name or "\0" in name:
-            raise InputError(f"--run_name {name!r} must be a plain directory name (no '/', not '.' or '..'): the "
-                             "run goes to <output_dir>/<run_name>, so pass where it goes as --output_dir")
-        if len(name.encode()) > 255:
-            raise InputError(f"--run_name is {len(name.encode())} bytes long; a directory name holds at most 255: "
-                             "pass a shorter one")
-        return os.path.join(args.output_dir, name)
-    if args.resume == "auto":
-        raise InputError("--resume auto needs --run_name (the run to continue)")
-    if args.resume is not None:
-        return os.path.dirname(os.path.abspath(args.resume))  # resume in the checkpoint's own run
-    return os.path.join(args.output_dir, f"{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-class RunDirClaim:
-    """This process's hold on its run directory, so that two runs never write into one: an exclusive flock on
-    run.lock, whose text names the holder for the error a second run gets. The kernel drops an flock when its
-    process ends, however it ends, so a killed run's lock is taken over. release() removes the lock, and the
-    directory if it created it and it is still empty (bad input found after the claim)."""
-
-    def __init__(self, run_dir: str, output_dir: str):
-        self.run_dir, self.path, self.fd = run_dir, os.path.join(run_dir, LOCK_NAME), None
-        self.created = not os.path.isdir(run_dir)
-        try:
-            os.makedirs(run_dir, exist_ok=True)
-            self.fd = self._lock()
-        except OSError as e:
-            self.release()
-            raise InputError(f"--output_dir {output_dir}: cannot hold the run directory {run_dir} ({e.strerror}); "
-                             "pass a directory you can write to") from None
-        except InputError:
-            self.release()
-            raise
-
-    def _lock(self) -> int:
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.read(fd, 256).decode(errors="replace").strip() or "a process starting up"
-                os.close(fd)
-                raise InputError(f"{self.run_dir}: another run is writing to it ({holder}); wait for it to end, "
-                                 "or choose another --run_name") from None
-            with contextlib.suppress(FileNotFoundError):
-                if os.path.samestat(os.fstat(fd), os.stat(self.path)):
-                    break
-            os.close(fd)  # its holder removed the file while this process waited: lock the one there now
-        stale = os.read(fd, 256).decode(errors="replace").strip()
-        if stale:
-            notice(f"{self.path}: the run it named ({stale}) is no longer running; this run takes it over")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        return fd
-
-    def release(self):
-        """Give the directory up; releasing twice is harmless."""
-        if self.fd is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)  # while still locked: a process waiting on this file then sees it gone
-            os.close(self.fd)
-            self.fd = None
-        if self.created:
-            with contextlib.suppress(OSError):
-                os.rmdir(self.run_dir)  # only while empty: nothing was written
-            self.created = False
-
-
-def read_json(path: str) -> dict | None:
-    """A JSON file of the run directory, or None where it is missing or torn (not whole JSON)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def check_run_dir(args, run_dir: str):
-    """Refuse a directory that holds a finished run, or a started one unless --resume was asked for, so
-    that nothing is ever overwritten. A torn summary.json (a kill while it was written) finished nothing."""
-    status = (read_json(os.path.join(run_dir, "summary.json")) or {}).get("status")
-    if status in FINISHED_STATUSES:
-        raise InputError(f"{run_dir}: already holds a finished run ({status}); choose another --run_name "
-                         "or delete that directory")
-    if args.resume is None and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        raise InputError(f"{run_dir}: already holds a run; pass --resume auto to continue it (or to start it "
-                         "over, if it has no checkpoint), or choose another --run_name")
-
-
-def read_metrics(path: str) -> tuple[list[dict], bool]:
-    """The records of a metrics.jsonl, and whether its last line was torn (a kill or a full disk stops a
-    write mid-line): that line is left out. A bad line anywhere else is an InputError naming it."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.read().rstrip("\n").split("\n")
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            record = None
-        if not isinstance(record, dict):
-            if number == len(lines):
-                return records, True
-            raise InputError(f"{path}:{number}: not a JSON record; the file is corrupt (not a metrics.jsonl "
-                             "written by train_gpt2.py, or damaged)")
-        records.append(record)
-    return records, False
-
-
-def resolve_checkpoint_path(args, run_dir: str) -> str | None:
-    """The checkpoint to resume from: --resume's file, or with `auto` the run's newest (None: start fresh)."""
-    if args.resume is None:
-        return None
-    if args.resume == "auto":
-        found = list_checkpoints(run_dir)
-        return found[-1] if found else None
-    if not os.path.isfile(args.resume):
-        raise InputError(f"--resume: no such checkpoint file {args.resume!r}")
-    return args.resume
-
-
-def repair_run_dir(run_dir: str, restart: bool):
-    """Make the run directory ready to write, once every input is checked: remove what interrupted saves left
-    behind, set a torn summary.json aside, and when `restart` (a started run with no checkpoint to continue
-    from: it died before its first save) set the earlier attempt's files aside as *.restarted.*, replacing
-    those of an earlier restart, so the directory is never a dead end."""
-    remove_unfinished_writes(run_dir)
-    summary = os.path.join(run_dir, "summary.json")
-    if os.path.exists(summary) and read_json(summary) is None:
-        os.replace(summary, os.path.join(run_dir, "summary.torn.json"))
-        notice(f"{summary} was torn (a kill or a full disk while it was written): kept as summary.torn.json; this "
-               "run writes a new one when it ends")
-    moved = []
-    for name in ("metrics.jsonl", "log.txt", "summary.json") if restart else ():
-        path = os.path.join(run_dir, name)
-        if os.path.exists(path):
-            stem, ext = os.path.splitext(name)
-            os.replace(path, os.path.join(run_dir, f"{stem}.restarted{ext}"))
-            moved.append(name)
-    if moved:
-        notice(f"{run_dir}: no checkpoint to continue from, so the run starts over; the earlier attempt's "
-               f"{', '.join(moved)} are kept as *.restarted.*")
-
-
-def import_optimizer_state_classes(path: str, flag: str):
-    """The 8-bit AdamW's moments are torchao tensors: torch.load(weights_only=True) reads them only once
-    torchao, imported, has declared its class safe. A process that never built that optimizer (evaluation,
-    sampling, the proxy's checks) imports it here, when the checkpoint names it."""
-    needed = [name for name in torch.serialization.get_unsafe_globals_in_checkpoint(path)
-              if name.startswith("torchao.")]
-    if not needed:
-        return
-    need_package("torchao", f"{flag} {path} (8-bit AdamW state, {needed[0]})")
-    importlib.import_module("torchao.optim")  # registers its state classes with torch.serialization
-
-
-def differences(have: dict, want: dict, limit: int = 6) -> str:
-    """The fields where two configs differ, as `name X there, Y here`, the first `limit` of them."""
-    changed = [f"{key} {have.get(key)!r} there, {want.get(key)!r} here" for key in {**have, **want}
-               if have.get(key) != want.get(key)]
-    more = f", and {len(changed) - limit} more" if len(changed) > limit else ""
-    return "; ".join(changed[:limit]) + more
-
-
-def load_checkpoint(path: str, expected: dict, flag: str = "--resume") -> dict:
-    """Load a checkpoint (weights_only: no code from the file runs), check it against the digest it carries,
-    and check it fits this run. `flag` names the flag that gave the path, for the error line."""
-    try:
-        import_optimizer_state_classes(path, flag)
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except InputError:
-        raise
-    except Exception as e:  # a torn or foreign file: say which file and stop
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise InputError(f"{flag}: {path} is not a readable checkpoint ({type(e).__name__}: {first_line})") from None
-    if not isinstance(ckpt, dict) or "format" not in ckpt:
-        raise InputError(f"{flag}: {path} is not a train_gpt2.py checkpoint")
-    if ckpt["format"] != CHECKPOINT_FORMAT:
-        raise InputError(f"{flag}: {path} has checkpoint format {ckpt['format']}, this trainer reads format "
-                         f"{CHECKPOINT_FORMAT}; use the commit that wrote it (config.json's git_sha)")
-    if ckpt.pop("digest", None) != state_digest(ckpt):
-        raise InputError(f"{flag}: {path} does not match the digest it carries: the file is damaged (a run keeps "
-                         "only its newest checkpoint; remove it, and --resume auto starts the run over)")
-    for key, want in expected.items():
-        have = ckpt.get(key)
-        if have != want:
-            what = f"another {key} ({differences(have, want)})" if isinstance(have, dict) and isinstance(want, dict) \
-                else f"{key}={have}, this run has {key}={want}"
-            raise InputError(f"{flag}: {path} was trained with {what}; pass the same --model/overrides/batch flags, "
-                             "or start a new run")
-    return ckpt
-
-
 def model_from_checkpoint(path: str, device: torch.device, flag: str = "--checkpoint") -> tuple[GPT, dict]:
     """The model a checkpoint holds (any variant: its config travels with it), and the checkpoint."""
     ckpt = load_checkpoint(path, expected={}, flag=flag)
     model = GPT(GPTConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     return model.to(device), ckpt
-
-
-def strict_json(obj):
-    """obj with every non-finite float as None: JSON has no NaN or Infinity, and strict readers (jq) reject them."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {key: strict_json(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [strict_json(value) for value in obj]
-    return obj
-
-
-def json_line(record: dict) -> str:
-    return json.dumps(strict_json(record), allow_nan=False) + "\n"
-
-
-class Tee:
-    """A text stream that also appends what is written to it to a file (the run's log.txt). The terminal
-    gets each text first; a failed write to the file raises WriteFailed once and ends the copying, so the
-    error line that follows still reaches the terminal."""
-
-    def __init__(self, stream, file):
-        self.stream, self.file = stream, file
-
-    def write(self, text: str) -> int:
-        written = self.stream.write(text)
-        self._to_file(lambda: self.file.write(text))
-        return written
-
-    def flush(self):
-        self.stream.flush()
-        self._to_file(self.file.flush)
-
-    def _to_file(self, action):
-        if self.file is None or self.file.closed:
-            return
-        try:
-            action()
-        except OSError as e:
-            name, self.file = self.file.name, None
-            raise WriteFailed(name, e) from None
-
-    def __getattr__(self, name):  # isatty, encoding, fileno, ...: the terminal's
-        return getattr(self.stream, name)
-
-
-class RunLog:
-    """metrics.jsonl, config.json, summary.json, and log.txt: everything the process with rank 0 prints
-    (stdout and stderr) while the run is open. Other ranks get a RunLog that writes nothing, so call sites
-    need no rank checks. A resumed run passes the records it keeps (those up to its checkpoint): the steps
-    after it are about to be trained again. Writes that fail raise WriteFailed."""
-
-    def __init__(self, run_dir: str | None, kept_records: list[dict] | None, wandb_run=None):
-        self.run_dir, self.wandb_run = run_dir, wandb_run
-        self.metrics = self.text = None
-        if run_dir is None:
-            return
-        path = os.path.join(run_dir, "metrics.jsonl")
-        if kept_records is not None:
-            atomic_write_text(path, "".join(map(json_line, kept_records)))
-        try:
-            self.metrics = open(path, "a")
-            self.text = open(os.path.join(run_dir, "log.txt"), "a")
-        except OSError as e:
-            raise WriteFailed(e.filename, e) from None
-        self.terminal = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = Tee(sys.stdout, self.text), Tee(sys.stderr, self.text)
-
-    def print(self, message: str):
-        if self.run_dir is not None:
-            print(message, flush=True)
-
-    def record(self, **fields):
-        if self.metrics is not None:
-            try:
-                self.metrics.write(json_line(fields))
-                self.metrics.flush()
-            except OSError as e:
-                raise WriteFailed(self.metrics.name, e) from None
-            if self.wandb_run is not None:
-                self.wandb_run.log({k: v for k, v in fields.items() if k != "step"}, step=fields["step"])
-
-    def write_json(self, name: str, obj: dict):
-        if self.run_dir is not None:
-            text = json.dumps(strict_json(obj), indent=2, allow_nan=False)
-            atomic_write_text(os.path.join(self.run_dir, name), text + "\n")
-
-    def close(self):
-        """Close the files and give stdout and stderr back; closing twice is harmless. A file whose last
-        write failed (a full disk) has already raised WriteFailed: closing it drops what it could not write."""
-        if self.text is not None:
-            sys.stdout, sys.stderr = self.terminal
-            for file in (self.text, self.metrics):
-                with contextlib.suppress(OSError):
-                    file.close()
-            self.text = self.metrics = None
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
-            self.wandb_run = None
-
-
-def format_summary(summary: dict) -> str:
-    """The grep-able block every run ends with."""
-    keys = ("status", "reached_target", "target_val_loss", "final_val_loss", "final_val_loss_1024", "steps",
-            "overtime_steps", "tokens", "train_time_s", "compile_s", "eval_time_s", "wall_time_s", "tokens_per_s",
-            "mfu", "peak_mem_mib")
-    lines = ["---"]
-    for key in filter(summary.__contains__, keys):  # final_val_loss_1024 only where validation rows are longer
-        value = summary[key]
-        if value is None:
-            value = "n/a"
-        elif isinstance(value, float):
-            value = f"{value:.4f}" if key in ("final_val_loss", "final_val_loss_1024", "target_val_loss", "mfu") \
-                else f"{value:.1f}"
-        lines.append(f"{key + ':':<{max(17, len(key) + 2)}}{value}")  # aligned; a longer key keeps a space
-    return "\n".join(lines)
 
 
 # =============================================================================
@@ -2401,6 +1693,7 @@ class Run:
     autocast_ctx: contextlib.AbstractContextManager  # training's precision: bf16 autocast on CUDA
     accumulation: int  # micro-batches per optimizer step on this process
     layout: dict  # what a checkpoint must match to be resumed here
+    schedule: Schedule  # the step's settings, when to evaluate, the evaluations so far and the warmdown they chose
     compiled: bool
     # Set once the checkpoint is loaded (DDP takes rank 0's weights when it wraps the model):
     model: nn.Module | None = None  # what trains: raw_model compiled and/or wrapped in DDP
@@ -2412,10 +1705,6 @@ class Run:
     start_step: int = 0
     train_time_s: float = 0.0  # optimizer steps only, carried over a resume
     resumed_evaluation: float | None = None  # the val loss logged at the resumed checkpoint's step
-    evaluations: list = field(default_factory=list)  # (step, val loss) of each evaluation so far, a resumed run's too
-    # --lr_schedule target: the latest prediction (WarmdownPlan), and the warmdown chosen and re-aimed (Warmdown)
-    plan: "WarmdownPlan | None" = None
-    warmdown: "Warmdown | None" = None
     scouted: bool = False  # whether the latest evaluation was a scout's, in bf16 (--val_loss_every auto)
     resumed_from: str | None = None  # the checkpoint's path
     resume_changes: str = ""  # the flags changed since the checkpoint's run (resumed_flags)
@@ -2432,23 +1721,6 @@ class Run:
     def tokens_through(self, step: int) -> int:
         """Training tokens of the first `step` steps over all processes."""
         return step * self.tokens_per_step
-
-    @property
-    def schedule_end(self) -> int:
-        """The step the learning rate reaches its floor at: --num_iterations, or the chosen warmdown's end."""
-        return self.warmdown.end if self.warmdown else self.args.num_iterations
-
-    @property
-    def warmdown_legs(self) -> tuple | None:
-        return self.warmdown.legs if self.warmdown else None
-
-    def replan(self):
-        """--lr_schedule target, after an evaluation: predict again until the warmdown is chosen, choose it when it
-        is due, and re-aim it after."""
-        if self.args.lr_schedule == "target" and self.evaluations:
-            if self.warmdown is None:
-                self.plan = warmdown_plan(self.evaluations, self.args)
-            self.warmdown = planned_warmdown(self.evaluations, self.args)
 
 
 def report_sampled_softmax(args, config: GPTConfig, loader: TokenLoader, log: RunLog):
@@ -2484,7 +1756,7 @@ def setup_run(args) -> Run:
     accumulation = resolve_grad_accumulation(args, env.world_size)
     check_device_fit(args, config, env)
     cap_gpu_memory(args, env)
-    run_dir = run_dir_path(args)
+    run_dir = run_dir_path(args.output_dir, args.run_name, args.resume, args.model)
     claim = claim_run_dir(args, run_dir, env)
     try:
         return build_run(args, config, env, accumulation, run_dir, claim)
@@ -2578,9 +1850,8 @@ def resume_from(path: str, run: Run) -> list[dict]:
         records = [record for record in records if record.get("step", 0) <= step]  # the rest trains again
     logged = [r for r in records if r.get("step") == step and "val_loss" in r]
     # --val_loss_every auto plans from them; a checkpoint from before they were kept has its run's metrics.
-    run.evaluations = [tuple(e) for e in ckpt.get("evaluations", [[r["step"], r["val_loss"]] for r in records
-                                                                  if "val_loss" in r])]
-    run.replan()
+    run.schedule.resumed([tuple(e) for e in ckpt.get("evaluations", [[r["step"], r["val_loss"]] for r in records
+                                                                     if "val_loss" in r])], step)
     if ckpt["evaluated"] and logged:  # a stop rule judges that evaluation on resuming as it would have
         run.resumed_evaluation = logged[-1]["val_loss"]
     return records
@@ -2610,8 +1881,8 @@ def compile_model(args, env: Distributed, raw_model: GPT, compiled: bool) -> nn.
 def build_run(args, config: GPTConfig, env: Distributed, accumulation: int, run_dir: str,
               claim: RunDirClaim | None) -> Run:
     """Data, model and optimizer, the checkpoint resumed from if asked, the logs, the compiled model."""
-    check_run_dir(args, run_dir)
-    ckpt_path = resolve_checkpoint_path(args, run_dir)
+    check_run_dir(run_dir, args.resume)
+    ckpt_path = resolve_checkpoint_path(args.resume, run_dir)
     if env.world_size > 1:
         dist.barrier()  # every rank has read the run directory before rank 0 starts changing it
     train_loader, val, nocap_val = open_data(args, config, env)
@@ -2626,6 +1897,7 @@ def build_run(args, config: GPTConfig, env: Distributed, accumulation: int, run_
     run = Run(args=args, env=env, config=config, run_dir=run_dir, raw_model=raw_model,
               optimizer=make_optimizer(raw_model, args, env.device, compiled), train_loader=train_loader,
               val=val, nocap_val=nocap_val, accumulation=accumulation, layout=layout, compiled=compiled,
+              schedule=Schedule.of(args, config.window),
               # NoCap: bf16 autocast on CUDA; CPU runs stay in fp32 so tests are exact.
               autocast_ctx=precision(env.device, "bf16" if env.device.type == "cuda" else "fp32"),
               draw_log_weights=draw_log_weights(args, train_loader), claim=claim)
@@ -2730,14 +2002,14 @@ def graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
-def warm_up_steps(args, config: GPTConfig) -> list[int]:
+def warm_up_steps(schedule: Schedule) -> list[int]:
     """The steps the compile warm-up runs: three at step 0, and three more at the first step of each later
-    stage of the curriculum or the window warmup, and at the sampled softmax's end (each row length, window
-    and softmax is a graph of its own), among the steps the run can train (its schedule and any overtime)."""
+    stage of the curriculum or the window warmup (each row length and window is a graph of its own), among the
+    steps the run can train (its schedule and any overtime)."""
     def shape(step):
-        return schedule_at(step, args, config)[2:4]  # the row length and the local window
-    trainable = args.num_iterations + (args.overtime_steps if overtime_applies(args) else 0)
-    last_change = max(args.curriculum_iters, args.window_iters)
+        return schedule.at(step)[2:4]  # the row length and the local window
+    trainable = schedule.num_iterations + (schedule.overtime_steps if overtime_applies(schedule) else 0)
+    last_change = max(schedule.curriculum_iters, schedule.window_iters)
     steps = [0]
     for step in range(1, min(last_change, trainable - 1) + 1):
         if shape(step) != shape(step - 1):
@@ -2758,8 +2030,8 @@ def warm_up_compile(run: Run) -> float:
     batches_drawn, shard, position = loader.batches_drawn, loader.shard, loader.position
     breaks_before = graph_breaks()
     try:
-        for step in warm_up_steps(run.args, run.config):
-            train_step(run, step, schedule_at(step, run.args, run.config)._replace(lr_scale=1.0))
+        for step in warm_up_steps(run.schedule):
+            train_step(run, step, run.schedule.at(step)._replace(lr_scale=1.0))
     except torch.OutOfMemoryError:  # the first place a micro-batch too large for the GPU shows
         raise out_of_memory("in the compile warm-up's training steps", loader.B, loader.T) from None
     # LayerDrop can leave a block out of every warm-up step, and Muon compiles its update only for shapes whose
@@ -2776,8 +2048,8 @@ def warm_up_compile(run: Run) -> float:
                f"names them")
     run.eval_model.eval()
     with torch.no_grad():  # the evaluation graphs, each in its precision
-        for val, dtype in ((run.val, run.args.val_dtype), (run.nocap_val, nocap_rows_dtype(run.args)),
-                           (run.val if scouts(run.args) else None, "bf16")):
+        for val, dtype in ((run.val, run.args.val_dtype), (run.nocap_val, run.schedule.nocap_rows_dtype),
+                           (run.val if run.schedule.scouts else None, "bf16")):
             for x, y in val.shapes() if val is not None else ():
                 with precision(run.env.device, dtype):
                     run.eval_model(x, y, return_logits=False)
@@ -2808,7 +2080,7 @@ def checkpoint_state(run: Run, step: int, evaluated: bool) -> dict | None:
     state = torch.utils._pytree.tree_map_only(torch.Tensor, host_copy, dict(
         format=CHECKPOINT_FORMAT, model=model_state, optimizer=optimizer_state,
         step=step, batches_drawn=run.train_loader.batches_drawn, train_time_s=run.train_time_s, evaluated=evaluated,
-        evaluations=[[s, loss] for s, loss in run.evaluations],
+        evaluations=[[s, loss] for s, loss in run.schedule.evaluations],
         rng_cpu=torch.get_rng_state(), rng_cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         flags=vars(run.args), data=run.train_loader.fingerprint(), **run.layout))
     state["digest"] = state_digest(state)
@@ -2884,284 +2156,35 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
-# --val_loss_every auto scouts where the loss is far from the target: it evaluates in bf16 autocast, as training
-# runs, about a ninth of fp32's time on an H200. The target is judged in --val_dtype only: at the schedule's end, at
-# the last step, and at once again at the step of a scout that comes within SCOUT_MARGIN of it, after which the
-# evaluations stay in --val_dtype. A scout reads -0.3e-4 to +1.2e-4 above fp32 (d12_fast, 49 evaluations of two
-# runs; d12: +0.5e-4): past the margin, a bf16 error could only stop a run one evaluation later, never early,
-# while a wider margin re-scores more scouts too far above the target to cross it (an fp32 pass takes ~9 scouts'
-# time).
-SCOUT_MARGIN = 0.0002
-
-
-def scouts(args) -> bool:
-    """Whether evaluations far from the target may be scouts (in bf16): --val_loss_every auto, judged in another
-    precision."""
-    return args.val_loss_every == "auto" and args.val_dtype != "bf16"
-
-
-def nocap_rows_dtype(args) -> str:
-    """The precision of NoCap's 1024-token rows where validation rows are longer. They never judge the target, so
-    where evaluations scout they are scored as a scout is (bf16), at ~1/9 of fp32's time; in --val_dtype otherwise."""
-    return "bf16" if scouts(args) else args.val_dtype
-
-
-def evaluate_and_record(run: Run, step: int, stop: StopSignal, judged: bool) -> tuple[float | None, float]:
-    """The model's loss after `step` steps on the run's validation rows, written to metrics.jsonl: (the loss,
-    seconds); (None, seconds) when a signal cut it short. A scout's, in bf16, while --val_loss_every auto finds
-    every evaluation far from the target and the step is not `judged` (one the target must be judged at)."""
-    t0 = time.perf_counter()
-    args, near = run.args, run.args.target_val_loss + SCOUT_MARGIN
+def evaluate_and_record(run: Run, step: int, stop: StopSignal, judged: bool) -> tuple[float | None, float, bool]:
+    """The model's loss after `step` steps on the run's validation rows, written to metrics.jsonl and given to the
+    schedule: (the loss, seconds, whether the schedule's end moved); a loss of None when a signal cut it short. A
+    scout's, in bf16, where the schedule allows one (Schedule.may_scout)."""
+    t0, near = time.perf_counter(), run.schedule.scout_bound
 
     def score(dtype: str) -> float | None:
         return evaluate(run.eval_model, run.val, run.env.world_size, dtype,
                         interrupted=lambda: agree(run.env, stop.signum)[0] > 0)
 
-    scouting = scouts(args) and not judged and all(loss > near for _, loss in run.evaluations)
+    scouting = run.schedule.may_scout(judged)
     scout = score("bf16") if scouting else None
     run.scouted, cut_short = scout is not None and scout > near, scouting and scout is None
     # Judged here unless the scout stands: scored (again) in --val_dtype, the scout kept beside it, so that every
     # run records how far bf16 reads from the judge where it matters (the margin's premise).
-    val_loss = scout if run.scouted or cut_short else score(args.val_dtype)
+    val_loss = scout if run.scouted or cut_short else score(run.args.val_dtype)
     eval_s = time.perf_counter() - t0
-    if val_loss is not None:
-        precision = {"val_dtype": "bf16"} if run.scouted else {} if scout is None else {"scout_val_loss": scout}
-        run.log.record(step=step, tokens=run.tokens_through(step), val_loss=val_loss, train_time_s=run.train_time_s,
-                       eval_s=eval_s, **precision)
-        if not run.evaluations or run.evaluations[-1][0] != step:  # a resumed step evaluated again: once
-            run.evaluations.append((step, val_loss))
-        run.replan()
-    return val_loss, eval_s
+    if val_loss is None:
+        return None, eval_s, False
+    precision = {"val_dtype": "bf16"} if run.scouted else {} if scout is None else {"scout_val_loss": scout}
+    run.log.record(step=step, tokens=run.tokens_through(step), val_loss=val_loss, train_time_s=run.train_time_s,
+                   eval_s=eval_s, **precision)
+    return val_loss, eval_s, run.schedule.record(step, val_loss)
 
 
-# --val_loss_every auto, in fractions of the schedule: the first evaluation (the fourth, from which
-# --lr_schedule target fits its curve, follows at ~6%: where the warmdown of a run ~1/8 as long as the longest must
-# start); the longest gap, so that the plan is never long stale; the shortest, which bounds how far past the target
-# a run stops (0.4% of the schedule).
-AUTO_EVAL_FIRST, AUTO_EVAL_FARTHEST, AUTO_EVAL_CLOSEST = 1 / 48, 1 / 8, 1 / 256
-
-
-def evaluation_due(run: Run, step: int) -> bool:
-    """Whether --val_loss_every asks for an evaluation at `step` (the schedule's end and the last step always
-    get one)."""
-    every = run.args.val_loss_every
-    if every == "auto":
-        return step == next_evaluation(run.evaluations, run.args.target_val_loss, run.args.num_iterations,
-                                       evaluation_aim(run))
-    return every > 0 and step % every == 0
-
-
-def evaluation_aim(run: Run) -> float | None:
-    """--lr_schedule target: the step an evaluation should land near, the planned warmdown start until it is
-    chosen, and then the chord's crossing or the warmdown's end, whichever comes first (None: not this schedule)."""
-    if run.args.lr_schedule != "target" or not run.evaluations:
-        return None
-    if run.warmdown is None:  # without a fit yet, come back soon: the fit needs four points
-        last, cap = run.evaluations[-1][0], run.args.num_iterations
-        return last + cap * AUTO_EVAL_FIRST if run.plan is None else min(run.plan.start, cap)
-    crossing = chord_crossing(run.evaluations, run.args.target_val_loss)
-    return run.warmdown.end if crossing is None else min(crossing, run.warmdown.end)
-
-
-def next_evaluation(evaluations: list, target: float, num_iterations: int, aim: float | None = None) -> int:
-    """--val_loss_every auto: the step of the next evaluation after `evaluations` ((step, val loss), in order):
-    60% of the way to where the chord reaches the target (chord_crossing; the loss falls faster than the chord as
-    the learning rate decays, so it reads the crossing late) or to `aim` where given, within the closest and
-    farthest gaps. A function of the evaluations alone: a resumed run keeps the plan."""
-    closest = max(1, round(num_iterations * AUTO_EVAL_CLOSEST))
-    farthest = max(closest, round(num_iterations * AUTO_EVAL_FARTHEST))
-    if not evaluations:
-        return max(1, round(num_iterations * AUTO_EVAL_FIRST))  # step 0's loss says nothing about the target
-    last, crossing = evaluations[-1][0], aim if aim is not None else chord_crossing(evaluations, target)
-    gap = farthest if crossing is None else 0.6 * (crossing - last)
-    return last + min(farthest, max(closest, round(gap)))
-
-
-def chord_crossing(evaluations: list, target: float) -> float | None:
-    """The step where the chord from the first evaluation after step 0 to the last, in loss against log step,
-    reaches the target (the last evaluation's step if its loss is at or under it already); None where the chord
-    does not fall. A long chord, so that one noisy evaluation moves it little."""
-    (s0, l0), (s1, l1) = next((e for e in evaluations if e[0] > 0), evaluations[-1]), evaluations[-1]
-    if not (0 < s0 < s1 and l0 > l1):
-        return None
-    drop = (l0 - l1) / math.log(s1 / s0)  # loss per e-fold of steps
-    return s1 * math.exp(min(50.0, max(0.0, l1 - target) / drop))
-
-
-# --lr_schedule target. The constant phase's curve is fitted as loss = floor + scale * area^-exponent against the
-# learning rate's area (steps at the peak); a warmdown adds its own area and takes a drop off the curve there, the
-# share of it the decay has done so far: the loss at a constant rate carries a noise term that falls with the rate
-# (Tissue et al. 2024: the loss falls with the lr's area and with its annealing, whose gain saturates over a
-# warmdown of many steps). --cooldown_drop is the drop expected until the warmdown shows its own. The exponent
-# comes from a grid, so that the fit is cheap and deterministic.
-STABLE_FIT_EXPONENTS = tuple(i / 20 for i in range(1, 31))  # 0.05 .. 1.5
-# Evaluations in a warmdown are read once this share of its decay is done (the loss lags the rate before), and
-# --cooldown_drop weighs as one reading halfway down.
-DROP_READ_AFTER, DROP_PRIOR_WEIGHT = 0.3, 0.25
-
-
-def stable_fit(points: list) -> tuple[float, float, float] | None:
-    """Least squares of loss = floor + scale * area^-exponent over (area, loss) points: (floor, scale, exponent),
-    or None with fewer than four points or no falling fit."""
-    if len(points) < 4:
-        return None
-    area = torch.tensor([p[0] for p in points], dtype=torch.float64)
-    loss = torch.tensor([p[1] for p in points], dtype=torch.float64)
-    best = None
-    for exponent in STABLE_FIT_EXPONENTS:
-        X = torch.stack([torch.ones_like(area), area ** -exponent], dim=1)
-        coef = torch.linalg.lstsq(X, loss.unsqueeze(1)).solution.squeeze(1)
-        error = float(((X @ coef - loss) ** 2).sum())
-        if coef[1] > 0 and (best is None or error < best[0]):
-            best = (error, float(coef[0]), float(coef[1]), exponent)
-    return None if best is None else best[1:]
-
-
-def warmdown_steps(start: int, args) -> int:
-    """--lr_schedule target: the warmdown from step `start`, the fraction of the run --warmdown_iters is of
-    --num_iterations, at most half."""
-    fraction = 1 - warmdown_start(args) / args.num_iterations
-    return max(1, round(start * fraction / (1 - fraction)))
-
-
-def lr_area(step: int, args) -> float:
-    """The learning rate's sum over the first `step` steps of the constant phase's schedule, in peak steps."""
-    warmup = args.warmup_iters
-    return step - warmup / 2 if step >= warmup else step * step / (2 * warmup)
-
-
-class WarmdownPlan(NamedTuple):
-    """--lr_schedule target after an evaluation: where a warmdown started at the last evaluation would end."""
-    predicted: float  # the loss a warmdown started at the last evaluation ends at
-    start: float  # the step the prediction reaches the target at (inf: not within --num_iterations)
-
-
-def constant_phase_fit(evaluations: list, args) -> tuple[float, float, float] | None:
-    """stable_fit of every evaluation after the warmup: the whole constant phase, so that a few noisy points late
-    on a flat stretch cannot tip the fit to a curve that never reaches the target."""
-    return stable_fit([(lr_area(s, args), loss) for s, loss in evaluations if s >= max(args.warmup_iters, 1)])
-
-
-def warmdown_plan(evaluations: list, args) -> WarmdownPlan | None:
-    """The prediction from the constant phase's evaluations so far; None with too few of them or once the latest
-    warmdown (warmdown_start) is due. A warmdown started at step s ends at the curve's loss at s's area plus the
-    warmdown's, less --cooldown_drop."""
-    last, latest = evaluations[-1][0], warmdown_start(args)  # the latest warmdown start
-    fit = constant_phase_fit(evaluations, args) if last < latest else None
-    if fit is None:
-        return None
-    floor, scale, exponent = fit
-
-    def ends_at(s: float) -> float:
-        area = lr_area(s, args) + warmdown_steps(round(s), args) * (1 + args.lr_floor) / 2
-        return floor + scale * area ** -exponent - args.cooldown_drop
-
-    start = math.inf
-    if ends_at(latest) <= args.target_val_loss:
-        lo, hi = 1.0, float(latest)
-        while hi - lo > 0.5:  # the prediction falls with the step
-            lo, hi = (lo, (lo + hi) / 2) if ends_at((lo + hi) / 2) <= args.target_val_loss else ((lo + hi) / 2, hi)
-        start = hi
-    return WarmdownPlan(ends_at(last), start)
-
-
-class Warmdown(NamedTuple):
-    """--lr_schedule target's warmdown as chosen and re-aimed so far."""
-    legs: tuple  # ((first step, end), (step of a re-aim, its end), ...): warmdown_lr's
-    fit: tuple  # the constant phase's curve at the choice: (floor, scale, exponent)
-    drop: float  # the drop expected at the end: --cooldown_drop, then what the warmdown shows (read_drop)
-
-    @property
-    def end(self) -> int:
-        return self.legs[-1][1]
-
-
-def planned_warmdown(evaluations: list, args) -> Warmdown | None:
-    """--lr_schedule target: the warmdown the evaluations choose and re-aim. It starts at the first evaluation of
-    the constant phase whose prediction reaches the target, and each later evaluation before its end re-aims it
-    (reaimed: out, where the drop read so far needs longer to reach the target); None while not chosen. A function
-    of the evaluations alone, so that a resumed run keeps the plan."""
-    latest, warmdown = warmdown_start(args), None
-    for i, (step, _) in enumerate(evaluations):
-        if warmdown is None and step < latest:
-            plan = warmdown_plan(evaluations[:i + 1], args)
-            if plan is not None and plan.start <= step:
-                warmdown = Warmdown(((step, step + warmdown_steps(step, args)),),
-                                    constant_phase_fit(evaluations[:i + 1], args), args.cooldown_drop)
-        elif warmdown is not None and step < warmdown.end:
-            warmdown = reaimed(warmdown, step, [e for e in evaluations[:i + 1] if e[0] > warmdown.legs[0][0]], args)
-    return warmdown
-
-
-def warmdown_area(step: int, legs: tuple, floor: float) -> float:
-    """The learning rate's sum (peak steps) from the warmdown's first step to `step`: it is straight between the
-    legs' first steps and the last leg's end."""
-    knots = sorted({first for first, _ in legs if first < step} | {min(step, legs[-1][1]), step})
-    return sum((b - a) * (warmdown_lr(a, legs, floor) + warmdown_lr(b, legs, floor)) / 2
-               for a, b in zip(knots, knots[1:]))
-
-
-def reaimed(warmdown: Warmdown, step: int, seen: list, args) -> Warmdown:
-    """The warmdown re-aimed at evaluation `step` from its evaluations so far (`seen`): each at least
-    DROP_READ_AFTER down its decay reads the drop as the curve's loss there less the evaluation's, over the share
-    of the decay done; where a straight fall from here needs longer to bring the loss to the target, the end moves
-    out, never past --num_iterations (the longest run). It never moves in: a larger drop than expected crosses
-    the target before the end, where the run stops, while a decay steepened late falls short of the drop it read
-    (the loss lags the rate). Unchanged without a reading."""
-    floor, scale, exponent = warmdown.fit
-    legs, lr_floor, start = warmdown.legs, args.lr_floor, warmdown.legs[0][0]
-
-    def area(s: int) -> float:
-        return lr_area(start, args) + warmdown_area(s, legs, lr_floor)
-
-    weight, total = DROP_PRIOR_WEIGHT, DROP_PRIOR_WEIGHT * args.cooldown_drop
-    for s, loss in seen:
-        done = (1 - warmdown_lr(s, legs, lr_floor)) / (1 - lr_floor)
-        if done >= DROP_READ_AFTER:
-            weight, total = weight + done * done, total + done * (floor + scale * area(s) ** -exponent - loss)
-    if weight == DROP_PRIOR_WEIGHT:
-        return warmdown
-    drop, level = total / weight, warmdown_lr(step, legs, lr_floor)
-    above = args.target_val_loss + drop - floor
-    needed = (scale / above) ** (1 / exponent) if above > 0 else math.inf  # the area the target asks for
-    end = step + 2 * (needed - area(step)) / (level + lr_floor)
-    end = math.ceil(min(args.num_iterations, max(warmdown.end, end)))
-    return warmdown._replace(legs=legs + ((step, end),) if end != warmdown.end else legs, drop=drop)
-
-
-def plan_text(run: Run) -> str:
-    """The val line's account of the plans: --lr_schedule target's prediction until it chooses the warmdown,
-    --val_loss_every auto's next evaluation ("" for neither)."""
-    args, parts = run.args, []
-    if run.plan is not None and run.warmdown is None:
-        start = "not within --num_iterations" if math.isinf(run.plan.start) else f"near step {run.plan.start:,.0f}"
-        parts.append(f"a warmdown from here would end near {run.plan.predicted:.4f}; one that ends at the target "
-                     f"starts {start}")
-    if args.val_loss_every == "auto" and run.evaluations:
-        crossing = chord_crossing(run.evaluations, args.target_val_loss)
-        step = next_evaluation(run.evaluations, args.target_val_loss, args.num_iterations, evaluation_aim(run))
-        reads = "" if crossing is None else f" (the curve reaches {args.target_val_loss} near step {crossing:,.0f})"
-        parts.append(f"next evaluation at step {step}{reads}")
-    return (" | scout: bf16" if run.scouted else "") + (" | plan: " + "; ".join(parts) if parts else "")
-
-
-def warmdown_text(run: Run) -> str:
-    """The plan: line of a warmdown just chosen or just re-aimed."""
-    legs, end, target = run.warmdown.legs, run.warmdown.end, run.args.target_val_loss
-    if len(legs) == 1:
-        return (f"plan: the warmdown starts now, at step {legs[0][0]}, and ends at step {end} "
-                f"({run.tokens_through(end):,} tokens), predicted to end near {run.plan.predicted:.4f} against the "
-                f"target {target}")
-    return (f"plan: the warmdown reads a drop of {run.warmdown.drop:.4f} at its end (--cooldown_drop "
-            f"{run.args.cooldown_drop}): it now ends at step {end} ({run.tokens_through(end):,} tokens), aimed at "
-            f"the target {target}")
-
-
-def timed_step(run: Run, step: int) -> tuple[float, torch.Tensor, dict, float]:
-    """Optimizer step number step + 1 at the schedule's learning rate and momentum, timed between two device
-    synchronizations: (seconds, mean loss, auxiliary terms, the logged learning rate)."""
+def timed_step(run: Run, step: int, settings: StepSettings) -> tuple[float, torch.Tensor, dict, float]:
+    """Optimizer step number step + 1 with the schedule's settings, timed between two device synchronizations:
+    (seconds, mean loss, auxiliary terms, the logged learning rate)."""
     args = run.args
-    settings = schedule_at(step, args, run.config, run.warmdown_legs)
     if args.optimizer == "muon":
         run.optimizer.set_momentum(settings.muon_momentum)
     synchronize(run.env.device)
@@ -3176,20 +2199,6 @@ def timed_step(run: Run, step: int) -> tuple[float, torch.Tensor, dict, float]:
     return step_s, step_loss, aux, args.learning_rate * settings.lr_scale  # logged: the AdamW peak times the schedule
 
 
-def overtime_after(args, end: int, val_loss: float, emit) -> int:
-    """The schedule ended at step `end` at val_loss, above the target: say so, and return how many more steps
-    may train (--overtime_steps; 0 without it)."""
-    ended = (f"the schedule's {end} steps ended at val loss {val_loss:.4f}, above the target "
-             f"{args.target_val_loss}")
-    if not overtime_applies(args):
-        emit(f"notice: {ended}; --overtime_steps N would train on until it is reached")
-        return 0
-    emit(f"notice: {ended}; training on at the final learning rate for up to {args.overtime_steps} more steps, "
-         "evaluating " + ("as the loss nears the target" if args.val_loss_every == "auto"
-                                 else f"every {args.val_loss_every}"))
-    return args.overtime_steps
-
-
 @dataclass
 class Outcome:
     """How the run went, as its summary reports it."""
@@ -3201,13 +2210,13 @@ class Outcome:
     eval_time_s: float = 0.0
 
 
-def score_nocap_rows(run: Run, step: int, outcome: Outcome) -> str:
+def evaluate_nocap_rows(run: Run, step: int, outcome: Outcome) -> str:
     """Where the run ends on validation rows longer than NoCap's: the same tokens' loss in NoCap's 1024-token
     rows, recorded beside the last evaluation and kept for the summary; the val line's text for it. Scored once,
-    not at every evaluation, which it would double, and in nocap_rows_dtype's precision."""
+    not at every evaluation, which it would double, and in Schedule.nocap_rows_dtype's precision."""
     if run.nocap_val is None:
         return ""
-    t0, dtype = time.perf_counter(), nocap_rows_dtype(run.args)
+    t0, dtype = time.perf_counter(), run.schedule.nocap_rows_dtype
     outcome.final_val_loss_1024 = evaluate(run.eval_model, run.nocap_val, run.env.world_size, dtype)
     eval_s = time.perf_counter() - t0
     outcome.eval_time_s += eval_s
@@ -3273,73 +2282,72 @@ def report_write_failure(error: WriteFailed, step: int | None) -> int:
 
 
 def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
-    """Each turn: stop if signalled, evaluate when due (and stop at the target), checkpoint when due (by
-    steps or minutes), one optimizer step."""
-    args, env = run.args, run.env
-    # A schedule that ends above the target trains on for up to --overtime_steps more steps; a run resumed
-    # past its schedule's end is in that overtime (a run that had reached the target would have finished).
-    scheduled_end = run.schedule_end
-    final_step = scheduled_end + args.overtime_steps * (overtime_applies(args) and run.start_step >= scheduled_end)
-    progress = progress_bar(run, final_step)
+    """Each turn: stop if signalled, evaluate where the schedule says (and stop at the target or after the run's
+    last step), checkpoint when due (by steps or minutes), one optimizer step."""
+    progress = progress_bar(run, run.schedule.final_step)
     emit = progress.write if progress is not None else run.log.print
-    step, last_save = run.start_step, time.monotonic()
-    save_steps, save_minutes = checkpoint_interval(args.save_every)
+    saves = SaveCadence(run.args.save_every, run.start_step)
+    step = run.start_step
     while True:
-        minutes_due = 0 < save_minutes <= (time.monotonic() - last_save) / 60
-        signum, minutes_due = agree(env, stop.signum, int(minutes_due))  # every rank acts at the same step
+        signum, minutes_due = agree(run.env, stop.signum, int(saves.minutes_due()))  # all ranks act at one step
         if signum:
             checkpoint_and_stop(run, outcome, step, signum, emit)
             break
-        last_step, evaluated = step == final_step, False
-        due = last_step or step == scheduled_end or evaluation_due(run, step)
-        result = run.resumed_evaluation if step == run.start_step else None  # judged again, not run again
-        if due and result is None:
-            result, eval_s = evaluate_and_record(run, step, stop, judged=last_step or step == scheduled_end)
-            outcome.eval_time_s += eval_s
-            if result is None:
-                continue  # a signal cut the evaluation short: the top of the loop checkpoints and stops
-        if due:
-            val_loss = outcome.final_val_loss = result
-            reached, evaluated = 0 < args.target_val_loss and val_loss <= args.target_val_loss, True
-            extends = step == scheduled_end and args.target_val_loss > 0 and overtime_applies(args)  # into overtime
-            nocap_rows = score_nocap_rows(run, step, outcome) if reached or last_step and not extends else ""
-            emit(f"step:{step}/{final_step} | val loss {val_loss:.6f}{nocap_rows} | train_time {run.train_time_s:.1f}s"
-                 + ("" if reached else plan_text(run)))
-            if reached:
-                outcome.status = "reached_target"
+        turn = run.schedule.turn(step)
+        if turn.evaluate:
+            decision = evaluation_turn(run, outcome, step, turn.judged, stop, emit)
+            if decision == "cut short":
+                continue  # by a signal: the top of the loop checkpoints and stops
+            if decision != "train":
                 break
-            if scheduled_end != run.schedule_end:  # --lr_schedule target chose or re-aimed its warmdown just now
-                emit(warmdown_text(run))
-                scheduled_end = final_step = run.schedule_end
-            if step == scheduled_end and args.target_val_loss > 0:  # the schedule ended above the target
-                final_step = scheduled_end + overtime_after(args, scheduled_end, val_loss, emit)
-                last_step = step == final_step
             if progress is not None:
-                progress.total = final_step
-        if last_step:
-            report_missed_target(args, outcome, step - scheduled_end, emit)
-            break
-        save_due = step > run.start_step and (minutes_due or (save_steps and step % save_steps == 0))
-        last_save = time.monotonic() if save_due else last_save
-        if not step_and_checkpoint(run, outcome, meter, step, save_due, evaluated, (final_step, progress, emit)):
+                progress.total = run.schedule.final_step
+        if not step_and_checkpoint(run, outcome, meter, step, turn, saves.due(step, minutes_due), (progress, emit)):
             break
         step += 1
-    if outcome.status not in ("interrupted", "diverged") and not save_checkpoint(run, step, evaluated):
+    # The run stopped after an evaluation (the target, or its last step), or by a signal or divergence.
+    if outcome.status not in ("interrupted", "diverged") and not save_checkpoint(run, step, evaluated=True):
         diverged(run, outcome, NOT_FINITE, step)
     if progress is not None:
         progress.close()
 
 
-def step_and_checkpoint(run: Run, outcome: Outcome, meter: StepMeter, step: int, save_due: bool, evaluated: bool,
+def evaluation_turn(run: Run, outcome: Outcome, step: int, judged: bool, stop: StopSignal, emit) -> str:
+    """The evaluation before step `step` (a resumed run's first is judged again, not run again), its lines, and what
+    it decides: "reached" the target, "ended" at the run's last step, "train" on, or "cut short" by a signal."""
+    shown_final, moved = run.schedule.final_step, False
+    val_loss = run.resumed_evaluation if step == run.start_step else None
+    if val_loss is None:
+        val_loss, eval_s, moved = evaluate_and_record(run, step, stop, judged)
+        outcome.eval_time_s += eval_s
+        if val_loss is None:
+            return "cut short"
+    outcome.final_val_loss = val_loss
+    decision, note = run.schedule.verdict(step, val_loss)
+    nocap_rows = evaluate_nocap_rows(run, step, outcome) if decision != "train" else ""
+    outlook = (" | scout: bf16" if run.scouted else "") + run.schedule.outlook() if decision != "reached" else ""
+    emit(f"step:{step}/{shown_final} | val loss {val_loss:.6f}{nocap_rows} | train_time {run.train_time_s:.1f}s"
+         + outlook)
+    for line in ((run.schedule.warmdown_text(run.tokens_per_step) if moved else ""), note):
+        if line:
+            emit(line)
+    if decision == "reached":
+        outcome.status = "reached_target"
+    elif decision == "ended" and run.args.target_val_loss > 0:
+        outcome.status = "missed_target"
+    return decision
+
+
+def step_and_checkpoint(run: Run, outcome: Outcome, meter: StepMeter, step: int, turn: Turn, save_due: bool,
                         reporting: tuple) -> bool:
-    """Optimizer step number step + 1 (recorded with reporting's final step, progress bar and emit), and where
-    save_due the periodic checkpoint of the state it starts from, written once the step's loss shows that the state
-    trains: weights a step blew up can be finite and still give a NaN loss at once. False: the run diverged."""
-    pending = checkpoint_state(run, step, evaluated) if save_due else None
+    """Optimizer step number step + 1 (recorded with reporting's progress bar and emit), and where save_due the
+    periodic checkpoint of the state it starts from, written once the step's loss shows that the state trains:
+    weights a step blew up can be finite and still give a NaN loss at once. False: the run diverged."""
+    pending = checkpoint_state(run, step, turn.evaluate) if save_due else None
     if save_due and pending is None:
         diverged(run, outcome, NOT_FINITE, step)
         return False
-    train_loss = record_step(run, meter, step, timed_step(run, step), *reporting)
+    train_loss = record_step(run, meter, step, timed_step(run, step, turn.settings), turn.settings, *reporting)
     outcome.step = step + 1
     if not train_loss <= DIVERGED * math.log(run.config.vocab_size):  # all ranks see the same all-reduced loss
         diverged(run, outcome, f"loss {train_loss:.6g}", step + 1)
@@ -3357,9 +2365,23 @@ def checkpoint_and_stop(run: Run, outcome: Outcome, step: int, signum: int, emit
         diverged(run, outcome, NOT_FINITE, step)
 
 
-def checkpoint_interval(save_every: str) -> tuple[int, float]:
-    """--save_every as (steps, minutes) between periodic checkpoints, the one it does not count in 0."""
-    return (0, float(save_every[:-1])) if save_every.endswith("m") else (int(save_every), 0.0)
+class SaveCadence:
+    """--save_every: whether a periodic checkpoint is due, every N steps or every N minutes (never at the step the
+    run started from)."""
+
+    def __init__(self, save_every: str, start_step: int):
+        minutes = save_every.endswith("m")
+        self.steps, self.minutes = (0, float(save_every[:-1])) if minutes else (int(save_every), 0.0)
+        self.start_step, self.last = start_step, time.monotonic()
+
+    def minutes_due(self) -> bool:
+        return 0 < self.minutes <= (time.monotonic() - self.last) / 60
+
+    def due(self, step: int, minutes_due: bool) -> bool:
+        """Whether step's state is checkpointed (minutes_due: as every rank agreed); the clock restarts if so."""
+        due = step > self.start_step and bool(minutes_due or (self.steps and step % self.steps == 0))
+        self.last = time.monotonic() if due else self.last
+        return due
 
 
 NOT_FINITE = "the weights or the optimizer's state are not finite"
@@ -3389,25 +2411,13 @@ def progress_bar(run: Run, final_step: int):
     return tqdm(total=final_step, initial=run.start_step, unit="step", dynamic_ncols=True, file=run.log.terminal[1])
 
 
-def report_missed_target(args, outcome: Outcome, overtime: int, emit):
-    """The run ended above --target_val_loss (if it has one): its status, and a notice if even its overtime steps
-    fell short."""
-    if args.target_val_loss <= 0:
-        return
-    outcome.status = "missed_target"
-    if overtime > 0:
-        emit(f"notice: {overtime} overtime steps ended at val loss {outcome.final_val_loss:.4f}, still above "
-             f"the target {args.target_val_loss}")
-
-
-def record_step(run: Run, meter: StepMeter, step: int, trained: tuple, final_step: int, progress, emit) -> float:
+def record_step(run: Run, meter: StepMeter, step: int, trained: tuple, settings: StepSettings, progress,
+                emit) -> float:
     """Log optimizer step number step + 1, trained = (seconds, loss, aux terms, lr): its tokens/s and MFU,
     metrics.jsonl, the progress bar or a line, and the eta once the step time has settled. Returns its loss."""
-    args = run.args
     step_s, step_loss, aux, lr = trained
-    settings = schedule_at(step, args, run.config, run.warmdown_legs)
-    tokens_per_s, mfu = meter.step(step_s, settings.row_length, settings.local_window, args.sampled_softmax)
-    done = step + 1
+    tokens_per_s, mfu = meter.step(step_s, settings.row_length, settings.local_window, run.args.sampled_softmax)
+    done, final_step = step + 1, run.schedule.final_step
     if len(meter.step_seconds) == 10 and done < final_step:  # once the step time has settled
         emit(meter.eta_line(final_step - done))
     train_loss = step_loss.item()
@@ -3431,7 +2441,7 @@ def finish(run: Run, outcome: Outcome, meter: StepMeter | None, wall_start: floa
     summary = dict(
         status=outcome.status, reached_target=outcome.status == "reached_target", target_val_loss=args.target_val_loss,
         final_val_loss=outcome.final_val_loss, steps=outcome.step,
-        overtime_steps=max(0, outcome.step - run.schedule_end), tokens=run.tokens_through(outcome.step),
+        overtime_steps=max(0, outcome.step - run.schedule.end), tokens=run.tokens_through(outcome.step),
         train_time_s=run.train_time_s, compile_s=outcome.compile_s, eval_time_s=outcome.eval_time_s,
         wall_time_s=time.perf_counter() - wall_start, tokens_per_s=tokens_per_s,
         mfu=meter.steady_mfu() if meter is not None else None,
@@ -3440,7 +2450,7 @@ def finish(run: Run, outcome: Outcome, meter: StepMeter | None, wall_start: floa
         summary["final_val_loss_1024"] = outcome.final_val_loss_1024
     if args.lr_schedule == "target":
         # [[first step, end], [step of a re-aim, its end], ...]; None: --num_iterations' own
-        summary["warmdown"] = run.warmdown_legs
+        summary["warmdown"] = run.schedule.warmdown_legs
     run.log.write_json("summary.json", summary)
     run.log.print(format_summary(summary))
     if run.env.world_size > 1:
@@ -3468,27 +2478,6 @@ def list_models() -> str:
     for name, recipe in RECIPES.items():
         rows.append(f"--model {name} also sets: " + " ".join(f"--{flag} {value}" for flag, value in recipe.items()))
     return "\n".join(rows)
-
-
-def report_input_errors(action) -> int:
-    """Run a command-line action; bad input becomes one `error: ...` line on stderr and exit code 2, a file
-    that could not be written one such line and exit code 1, Ctrl-C one line and 130."""
-    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank meets the same input: one line
-    try:
-        return action()
-    except InputError as e:
-        if main_rank:
-            print(f"error: {e}", file=sys.stderr)
-        else:  # torchrun stops every rank once one exits: wait, so that rank 0 has printed the line first
-            time.sleep(5)
-        return 2
-    except WriteFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # Ctrl-C where no checkpoint can be written (before training, or in a tool)
-        if main_rank:
-            print("interrupted (Ctrl-C): stopped", file=sys.stderr)
-        return 128 + signal.SIGINT
 
 
 # Flags counted in optimizer steps: the schedule's shape, which --num_iterations alone re-sizes (resized_schedule).

@@ -20,8 +20,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data.shards import (HEADER_BYTES, ArgumentParser, InputError, need_package, read_shard_header,  # noqa: E402
-                         write_shard)
+from data.shards import HEADER_BYTES, read_shard_header, write_shard  # noqa: E402
+from common import ArgumentParser, InputError, need_package  # noqa: E402
 
 CACHED_REPO = "kjj0/fineweb10B-gpt2"  # the shards NoCap-Test and modded-nanogpt train on
 CACHED_TRAIN_SHARDS = 103  # available in that repository (100M tokens each)

@@ -1,17 +1,16 @@
-"""The llm.c / NoCap-Test token-shard format, and the one-line answer to bad input, without torch.
+"""The llm.c / NoCap-Test token-shard format: read, written and checked, without torch.
 
 A shard is a header of 256 int32 (magic 20240520, version 1, token count, then zeros) followed by that many
 uint16 GPT-2 token ids. The trainer reads shards with these functions and data/fineweb.py writes them, so a
-download needs numpy, not the trainer. Bad input anywhere (a flag, a shard, a checkpoint) raises InputError,
-whose message names the thing and the fix; the command prints it as one `error: ...` line and exits with 2.
+download needs numpy, not the trainer. A bad shard raises common.InputError naming the file and the fix.
 """
 
-import argparse
 import glob
-import importlib.util
 import os
 
 import numpy as np
+
+from common import InputError
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -19,34 +18,6 @@ HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 COMPRESSED = {"xz": b"\xfd7zXZ\x00", "gzip": b"\x1f\x8b", "zstd": b"\x28\xb5\x2f\xfd"}  # their files' first bytes
 COMPRESSED_FIX = {"xz": "xz -dk", "gzip": "gunzip -k", "zstd": "zstd -d"}
-
-
-class InputError(Exception):
-    """Bad input (a flag, a data file, a checkpoint, a run directory): one `error: ...` line and exit code 2."""
-
-
-def need_package(package: str, needed_by: str):
-    """An optional package (the extras in requirements-test.txt) is installed, or an InputError names the install."""
-    if importlib.util.find_spec(package) is None:
-        raise InputError(f"{needed_by} needs {package}, which is not installed: pip install {package}")
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each flag's default after its help, except where there is none: that help says what happens instead."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse that answers a bad flag with one line and where to look, not with the usage of 75 flags."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} ({self.prog} --help lists the flags)\n")
 
 
 def check_output_file(path: str, flag: str):

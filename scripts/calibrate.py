@@ -43,8 +43,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from compare_runs import load_run  # noqa: E402
 from proxy import PROTOCOLS, parse_tokens  # noqa: E402
 from data.shards import check_output_file  # noqa: E402
-from train_gpt2 import (NOCAP_TARGET_VAL_LOSS, NOCAP_VAL_TOKENS, ArgumentParser, InputError,  # noqa: E402
-                        atomic_write_text, need_package, report_input_errors)
+from train_gpt2 import NOCAP_TARGET_VAL_LOSS, NOCAP_VAL_TOKENS  # noqa: E402
+from run_dir import atomic_write_text  # noqa: E402
+from common import ArgumentParser, InputError, need_package, report_input_errors  # noqa: E402
 
 CODE_END = "=" * 100  # a record's log: its code, this line, then what the run printed
 CURVE = re.compile(r"^step:(\d+)/(\d+) val_loss:([\d.]+)(?: train_time:(\d+)ms)?", re.M)

@@ -21,7 +21,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.shards import check_output_file  # noqa: E402
-from train_gpt2 import ArgumentParser, InputError, build_parser, need_package, read_metrics  # noqa: E402
+from train_gpt2 import build_parser  # noqa: E402
+from run_dir import read_metrics  # noqa: E402
+from common import ArgumentParser, InputError, need_package  # noqa: E402
 
 # Flags that do not change what is trained: runs differing only in these are seeds of one config.
 NOT_CONFIG = {"seed", "run_name", "output_dir", "resume", "log_wandb", "save_every", "device"}

@@ -10,8 +10,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import (NOCAP_VAL_ROW, ArgumentParser, InputError, ValidationSet, evaluate,  # noqa: E402
-                        model_from_checkpoint, pick_device, report_input_errors)
+from train_gpt2 import NOCAP_VAL_ROW, ValidationSet, evaluate, model_from_checkpoint, pick_device  # noqa: E402
+from common import ArgumentParser, InputError, report_input_errors  # noqa: E402
 
 
 def score(model, val_bin: str, val_tokens: int, val_batch_size: int, sequence_length: int,

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from data.shards import ArgumentParser, InputError  # noqa: E402
+from common import ArgumentParser, InputError  # noqa: E402
 
 PEAK_FILE = "GPU_CHECK_PEAK_FILE"  # where a tool run under the cap writes its peak memory (MiB)
 

@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_runs import LogError, crossing, load_run  # noqa: E402
-from data.shards import ArgumentParser, InputError, need_package  # noqa: E402
+from common import ArgumentParser, InputError, need_package  # noqa: E402
 
 
 def final(run: dict) -> tuple[float, float]:

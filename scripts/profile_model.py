@@ -28,10 +28,11 @@ import torch.nn as nn
 from torch.autograd import DeviceType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import (GPT, MLP, ArgumentParser, Block, CausalSelfAttention, InputError,  # noqa: E402
-                        LatentAttention, MoE, SoftmaxSample, TokenLoader, add_model_flags,
-                        check_sampled_softmax, configure_compile, draw_log_weights, make_optimizer, parse_args,
-                        pick_device, report_input_errors, resolve_model_config, synchronize)
+from train_gpt2 import (GPT, MLP, Block, CausalSelfAttention, LatentAttention, MoE, SoftmaxSample,  # noqa: E402
+                        TokenLoader, add_model_flags, check_sampled_softmax, configure_compile,
+                        draw_log_weights, make_optimizer, parse_args, pick_device,
+                        resolve_model_config, synchronize)
+from common import ArgumentParser, InputError, report_input_errors  # noqa: E402
 
 PARTS = ("embedding", "attention projections", "attention core", "MLP / MoE", "head + loss",
          "norms, adds & other", "optimizer", "data loading")

@@ -34,8 +34,10 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from data.shards import check_output_file  # noqa: E402
 from model_variants import RECIPES, get_variant  # noqa: E402
-from train_gpt2 import (FINISHED_STATUSES, SCHEDULE_STEP_FLAGS, ArgumentParser, InputError,  # noqa: E402
-                        overtime_applies, parse_args, read_json, read_shard_header, resolve_grad_accumulation)
+from train_gpt2 import SCHEDULE_STEP_FLAGS, parse_args, read_shard_header, resolve_grad_accumulation  # noqa: E402
+from schedule import overtime_applies  # noqa: E402
+from run_dir import FINISHED_STATUSES, read_json  # noqa: E402
+from common import ArgumentParser, InputError  # noqa: E402
 
 # NoCap-Test's baseline schedule: 4768 steps, 256 of linear warmup, a linear warmdown over the last 1024.
 NOCAP_STEPS, NOCAP_WARMUP, NOCAP_WARMDOWN = 4768, 256, 1024

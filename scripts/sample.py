@@ -14,7 +14,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.fineweb import gpt2_encoding  # noqa: E402
-from train_gpt2 import ArgumentParser, InputError, model_from_checkpoint, pick_device, report_input_errors  # noqa: E402
+from train_gpt2 import model_from_checkpoint, pick_device  # noqa: E402
+from common import ArgumentParser, InputError, report_input_errors  # noqa: E402
 
 EOT = 50256
 

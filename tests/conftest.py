@@ -20,7 +20,7 @@ if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED_DATA / "tiktoken").is_dir(
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED_DATA / "tiktoken")
 
 from model_variants import GPTConfig  # noqa: E402
-import kernels  # noqa: E402
+import common  # noqa: E402
 import train_gpt2  # noqa: E402
 from data.shards import write_shard  # noqa: E402
 
@@ -31,7 +31,7 @@ SMALL_VOCAB = 256  # synthetic runs override vocab_size so the lm_head stays che
 def fresh_notices():
     """Each test starts with no notice shown: the trainer shows each once per process, and a test that checks
     one must not depend on which tests ran before it."""
-    kernels._notices_shown.clear()
+    common._notices_shown.clear()
 
 
 def make_shards(directory: Path, n_train: int = 2, train_tokens: int = 20_000, val_tokens: int = 9_000,
@@ -120,3 +120,13 @@ def count_compiles(monkeypatch) -> tuple:
     monkeypatch.setattr(train_gpt2.torch, "compile", compile_counted)
     monkeypatch.setattr(train_gpt2, "warm_up_compile", warm_up)
     return counter, after_warm_up
+
+
+def make_schedule(**flags):
+    """A Schedule of NoCap's shape with the given flags changed (tests of the schedule without a parser)."""
+    from schedule import Schedule
+    values = dict(num_iterations=1000, warmup_iters=0, warmdown_iters=250, lr_schedule="trapezoid", lr_floor=0.0,
+                  cooldown_drop=0.2, muon_momentum_warmup=0, sequence_length=1024, curriculum_iters=0, window=0,
+                  window_iters=0, layerdrop=0.0, val_loss_every=0, val_dtype="fp32", target_val_loss=3.3821,
+                  overtime_steps=0)
+    return Schedule(**{**values, **flags})

@@ -12,7 +12,7 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import calibrate  # noqa: E402
-from train_gpt2 import InputError  # noqa: E402
+from common import InputError  # noqa: E402
 
 SEPARATOR = "=" * 100
 # A record's training code in the shape of the public ones: Hyperparameters, a momentum warmup counted in steps,

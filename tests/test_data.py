@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_shards
-from data.shards import HEADER_BYTES, SHARD_MAGIC, InputError, load_shard, read_shard_header, write_shard
+from data.shards import HEADER_BYTES, SHARD_MAGIC, load_shard, read_shard_header, write_shard
+from common import InputError
 from model_variants import GPTConfig
 from train_gpt2 import GPT, TokenLoader, ValidationSet, evaluate
 

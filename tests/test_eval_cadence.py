@@ -9,10 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, SMALL_VOCAB, make_shards, read_metrics, tiny_run_args
+from conftest import REPO, SMALL_VOCAB, make_schedule, make_shards, read_metrics, tiny_run_args
 
-from train_gpt2 import (AUTO_EVAL_CLOSEST, AUTO_EVAL_FARTHEST, AUTO_EVAL_FIRST, SCOUT_MARGIN, ValidationSet,
-                        chord_crossing, evaluate, evaluation_aim, main, model_from_checkpoint, next_evaluation)
+from train_gpt2 import ValidationSet, evaluate, main, model_from_checkpoint
+from schedule import (AUTO_EVAL_CLOSEST, AUTO_EVAL_FARTHEST, AUTO_EVAL_FIRST, SCOUT_MARGIN, chord_crossing,
+                      next_evaluation)
 
 
 def test_the_first_evaluation_comes_early_and_a_flat_curve_gets_the_longest_gap():
@@ -25,13 +26,12 @@ def test_the_first_evaluation_comes_early_and_a_flat_curve_gets_the_longest_gap(
 
 def test_the_target_schedule_can_fit_its_curve_by_six_percent_of_the_run():
     # Until the curve is fitted (four evaluations), --lr_schedule target aims each evaluation one first-gap past the
-    # last (evaluation_aim). A run an eighth as long as the longest starts a half-run warmdown at 1/16 of it: the
+    # last (Schedule.aim). A run an eighth as long as the longest starts a half-run warmdown at 1/16 of it: the
     # fourth evaluation must come before that.
-    run = SimpleNamespace(args=SimpleNamespace(lr_schedule="target", num_iterations=3052), evaluations=[],
-                          warmdown=None, plan=None)
+    schedule = make_schedule(lr_schedule="target", num_iterations=3052)
     for _ in range(4):
-        run.evaluations.append((next_evaluation(run.evaluations, 3.0, 3052, evaluation_aim(run)), 5.0))
-    evaluations = run.evaluations
+        schedule.evaluations.append((next_evaluation(schedule.evaluations, 3.0, 3052, schedule.aim()), 5.0))
+    evaluations = schedule.evaluations
     assert [s for s, _ in evaluations] == [64, 102, 140, 178]
     assert evaluations[-1][0] < 3052 / 16
 
@@ -114,7 +114,7 @@ def test_far_from_the_target_evaluations_scout_in_bf16_and_the_target_is_judged_
         if "scout_val_loss" in record:  # a scout within the margin, judged again: both kept
             assert record["scout_val_loss"] == pytest.approx(evaluate(model, val, 1, "bf16"), abs=1e-7)
     # Once an evaluation comes within the margin, the rest are judged in fp32 directly (no bf16 pass first).
-    monkeypatch.setattr(train_gpt2, "SCOUT_MARGIN", 0.01)  # wide enough for this run's dense steps to land in it
+    monkeypatch.setattr("schedule.SCOUT_MARGIN", 0.01)  # wide enough for this run's dense steps to land in it
     precisions = []
     monkeypatch.setattr(train_gpt2, "evaluate", lambda *a, **k: precisions.append(a[3]) or evaluate(*a, **k))
     run_auto(capsys, tmp_path, "near", "--target_val_loss", "0.1")
@@ -133,11 +133,12 @@ def test_an_evaluation_cut_short_by_a_signal_records_nothing_and_is_not_scored_a
     import train_gpt2
     precisions = []
     monkeypatch.setattr(train_gpt2, "evaluate", lambda model, val, world, dtype, interrupted: precisions.append(dtype))
-    run = SimpleNamespace(args=SimpleNamespace(val_loss_every="auto", val_dtype="fp32", target_val_loss=3.0),
-                          evaluations=[(10, 5.0)], eval_model=None, val=None, env=SimpleNamespace(world_size=1),
-                          scouted=False)
+    schedule = make_schedule(val_loss_every="auto", val_dtype="fp32", target_val_loss=3.0)
+    schedule.evaluations.append((10, 5.0))
+    run = SimpleNamespace(args=SimpleNamespace(val_dtype="fp32", target_val_loss=3.0), schedule=schedule,
+                          eval_model=None, val=None, env=SimpleNamespace(world_size=1), scouted=False)
     assert train_gpt2.evaluate_and_record(run, 20, stop=None, judged=judged)[0] is None  # no log written to
-    assert precisions == (["fp32"] if judged else ["bf16"]) and run.evaluations == [(10, 5.0)]
+    assert precisions == (["fp32"] if judged else ["bf16"]) and schedule.evaluations == [(10, 5.0)]
 
 
 def test_a_schedule_that_ends_above_the_target_trains_on_under_the_plan_until_it_is_reached(tmp_path, capsys):

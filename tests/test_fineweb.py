@@ -13,7 +13,8 @@ from conftest import REPO, SHARED_DATA
 
 sys.path.insert(0, str(REPO / "data"))
 import fineweb  # noqa: E402
-from data.shards import InputError, load_shard, read_shard_header, write_shard  # noqa: E402
+from data.shards import load_shard, read_shard_header, write_shard  # noqa: E402
+from common import InputError  # noqa: E402
 
 PARQUET = SHARED_DATA / "fineweb_sample" / "fineweb_sample_3100docs.parquet"
 

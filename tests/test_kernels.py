@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+import optimizers
 from conftest import REPO
 
 # Triton 3.9 warns about a default it will change; the kernel's numbers do not depend on it.
@@ -536,7 +537,6 @@ def test_product_plus_kernel_takes_aligned_row_major_16_bit_stacks(monkeypatch):
 def test_newton_schulz_hands_product_plus_row_major_stacks(monkeypatch):
     """A tall stack's wide view is column-major; Newton-Schulz writes it row-major, the layout product_plus's
     kernel takes (and cuBLAS's batched product runs fastest on)."""
-    import train_gpt2
     layouts = []
 
     def recording(m, x, beta):
@@ -545,7 +545,7 @@ def test_newton_schulz_hands_product_plus_row_major_stacks(monkeypatch):
 
     monkeypatch.setattr(kernels, "product_plus", recording)
     for shape in [(2, 48, 16), (2, 16, 48)]:  # tall, wide
-        train_gpt2.newton_schulz(torch.randn(shape), (3.4445, -4.7750, 2.0315), 2, 1e-7)
+        optimizers.newton_schulz(torch.randn(shape), (3.4445, -4.7750, 2.0315), 2, 1e-7)
     assert layouts == [True] * 4
 
 # (n, r, c, dtype, beta). The interpreter's tiles are 16 x 16 x 16: several tiles on each side, partial edge tiles

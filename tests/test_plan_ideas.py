@@ -10,8 +10,9 @@ import torch
 
 from conftest import REPO, read_metrics, shrink, tiny_run_args, train_losses
 from model_variants import D12, TINY
-from train_gpt2 import (GPT, Lion, blocks_to_drop, build_parser, lr_scale, main, model_from_checkpoint, schedule_at,
-                        val_row_length, warm_up_steps)
+from train_gpt2 import GPT, blocks_to_drop, build_parser, main, model_from_checkpoint, val_row_length, warm_up_steps
+from schedule import Schedule, lr_scale
+from optimizers import Lion
 
 
 def parse(*flags) -> Namespace:
@@ -22,12 +23,13 @@ def parse(*flags) -> Namespace:
 
 def test_curriculum_doubles_the_row_length_in_equal_stages():
     args = parse("--curriculum_iters", "150")  # --sequence_length 1024: rows of 256 first
-    lengths = [schedule_at(step, args, D12).row_length for step in range(200)]
+    lengths = [Schedule.of(args, D12.window).at(step).row_length for step in range(200)]
     assert lengths[:75] == [256] * 75 and lengths[75:150] == [512] * 75 and lengths[150:] == [1024] * 50
-    assert warm_up_steps(args, D12) == [0, 0, 0, 75, 75, 75, 150, 150, 150]  # one graph per row length
+    # one graph per row length
+    assert warm_up_steps(Schedule.of(args, D12.window)) == [0, 0, 0, 75, 75, 75, 150, 150, 150]
     plain = parse()
-    assert {schedule_at(step, plain, D12).row_length for step in range(100)} == {1024}
-    assert warm_up_steps(plain, D12) == [0, 0, 0]
+    assert {Schedule.of(plain, D12.window).at(step).row_length for step in range(100)} == {1024}
+    assert warm_up_steps(Schedule.of(plain, D12.window)) == [0, 0, 0]
 
 
 def test_curriculum_keeps_each_steps_tokens_and_their_order(tmp_path, shards, capsys, monkeypatch):
@@ -77,7 +79,7 @@ def test_one_cycle_is_torchs_one_cycle_lr():
 
 def test_layerdrop_skips_each_block_but_the_first_with_the_scheduled_probability():
     args = parse("--layerdrop", "0.4", "--num_iterations", "125")  # falls to 0 at 80% of the run: step 100
-    assert [schedule_at(step, args, D12).layerdrop for step in (0, 25, 50, 99, 100, 5000)] == pytest.approx(
+    assert [Schedule.of(args, D12.window).at(step).layerdrop for step in (0, 25, 50, 99, 100, 5000)] == pytest.approx(
         [0.4, 0.3, 0.2, 0.004, 0.0, 0.0])
     draws = [blocks_to_drop(0, micro, 0, 0.4, n_layer=12) for micro in range(3000)]
     assert not any(0 in drop for drop in draws)  # the first block always runs
@@ -121,7 +123,7 @@ def test_a_layerdrop_run_skips_the_drawn_blocks(tmp_path, shards, capsys, monkey
     assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 0
     capsys.readouterr()
     args = parse(*extra, "--num_iterations", "6")  # the tiny run's length: LayerDrop until step 5
-    expected = sum(4 - len(blocks_to_drop(step, micro, args.seed, schedule_at(step, args, D12).layerdrop, 4))
+    expected = sum(4 - len(blocks_to_drop(step, micro, args.seed, Schedule.of(args, D12.window).at(step).layerdrop, 4))
                    for step in range(6) for micro in range(2))
     assert len(calls) == expected < 6 * 2 * 4
 
@@ -171,7 +173,7 @@ def test_lion_matches_a_hand_computation():
 def test_adamw8bit_follows_adamw_with_8_bit_moments():
     pytest.importorskip("torchao", reason="--optimizer adamw8bit needs torchao (pip install torchao)")
     from torchao.optim import AdamW8bit
-    from train_gpt2 import Optimizers
+    from optimizers import Optimizers
     torch.manual_seed(0)
     start = torch.randn(64, 128) * 0.02
     ours, ref = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
@@ -197,7 +199,8 @@ def test_an_8_bit_adamw_checkpoint_loads_where_torchao_was_never_imported(tmp_pa
     import subprocess
     import sys
     from conftest import REPO
-    from train_gpt2 import InputError, load_checkpoint
+    from run_dir import load_checkpoint
+    from common import InputError
     assert main(tiny_run_args(shards, tmp_path, "run", "--optimizer", "adamw8bit")) == 0
     ckpt = str(next((tmp_path / "run").glob("ckpt_*.pt")))
     program = ("import sys; from train_gpt2 import model_from_checkpoint; assert 'torchao' not in sys.modules; "
@@ -326,7 +329,7 @@ def test_d12_nocap_is_d12_swiglu_with_small_steps_a_linear_decay_to_zero_and_the
     assert (args.optimizer, args.learning_rate, args.lr_schedule) == ("adamw", 8e-4, "trapezoid")
     assert args.num_iterations * args.total_batch_size == 4768 * 524_288  # NoCap's baseline tokens
     assert resolve_grad_accumulation(args, 1) == 2  # two micro-batches of 16 rows of 1024 tokens
-    rows = [schedule_at(step, args, D12).row_length for step in (0, 7628, 7629, 15257, 15258)]
+    rows = [Schedule.of(args, D12.window).at(step).row_length for step in (0, 7628, 7629, 15257, 15258)]
     assert rows == [256, 256, 512, 512, 1024]
     lr = [lr_scale(step, args) for step in (0, 3813, 3814, 40_051, 76_287)]
     assert lr[1] == lr[2] == 1.0 and 0 < lr[0] < 0.001  # 5% warmup, then at once the decay to zero

@@ -12,7 +12,8 @@ from conftest import REPO, make_shards
 
 sys.path.insert(0, str(REPO / "scripts"))
 import proxy  # noqa: E402
-from train_gpt2 import InputError, parse_args  # noqa: E402
+from train_gpt2 import parse_args  # noqa: E402
+from common import InputError  # noqa: E402
 
 
 def trainer_view(protocol: str, spec: str):

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from conftest import read_metrics, tiny_run_args, train_losses
-from train_gpt2 import Optimizers, all_finite, main
+from train_gpt2 import main
+from optimizers import Optimizers
+from run_dir import all_finite
 
 
 def run(capsys, shards, out, name, *extra):

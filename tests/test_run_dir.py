@@ -10,9 +10,11 @@ import sys
 
 import pytest
 
+from run_dir import LOCK_NAME
 import train_gpt2
 from conftest import REPO, read_metrics, tiny_run_args, train_losses
-from train_gpt2 import RunDirClaim, main
+from train_gpt2 import main
+from run_dir import RunDirClaim
 
 
 def run(capsys, shards, out, name="run", *extra):
@@ -69,7 +71,7 @@ def test_two_runs_started_at_once_under_one_name_one_trains_and_the_other_is_ref
     assert len(refused) == 1 and ("another run is writing to it" in refused[0] or "already holds" in refused[0])
     steps = [r["step"] for r in read_metrics(tmp_path / "same") if "train_loss" in r]
     assert steps == list(range(1, 41))  # every step once
-    assert not (tmp_path / "same" / train_gpt2.LOCK_NAME).exists()  # given back when the run ended
+    assert not (tmp_path / "same" / LOCK_NAME).exists()  # given back when the run ended
 
 
 def test_the_lock_of_a_killed_run_is_taken_over_and_the_run_resumes(tmp_path, shards, capsys):
@@ -78,11 +80,11 @@ def test_the_lock_of_a_killed_run_is_taken_over_and_the_run_resumes(tmp_path, sh
     holder = hold_run_dir(tmp_path / "run", tmp_path)
     holder.send_signal(signal.SIGKILL)  # kill -9: nothing runs at exit, the lock file stays behind
     holder.wait()
-    assert (tmp_path / "run" / train_gpt2.LOCK_NAME).read_text().startswith(f"pid {holder.pid} on ")
+    assert (tmp_path / "run" / LOCK_NAME).read_text().startswith(f"pid {holder.pid} on ")
     code, _, err = run(capsys, shards, tmp_path, "run", "--num_iterations", "4", "--resume", "auto")
     assert code == 0 and f"(pid {holder.pid} on {os.uname().nodename}) is no longer running; this run takes it " \
         "over" in err
-    assert not (tmp_path / "run" / train_gpt2.LOCK_NAME).exists()
+    assert not (tmp_path / "run" / LOCK_NAME).exists()
 
 
 def test_input_errors_after_the_claim_leave_no_directory_behind(tmp_path, shards, capsys):
@@ -99,7 +101,7 @@ def test_a_torn_last_line_of_metrics_is_left_out_on_resume(tmp_path, shards, cap
         patch.setattr(train_gpt2.os, "remove", lambda path: None)  # keep the step-3 checkpoint
         assert run(capsys, shards, tmp_path, "killed", "--save_every", "3")[0] == 0
     killed = tmp_path / "killed"
-    for name in ("summary.json", "ckpt_000006.pt", train_gpt2.LOCK_NAME):  # killed after step 5's record
+    for name in ("summary.json", "ckpt_000006.pt", LOCK_NAME):  # killed after step 5's record
         os.remove(killed / name)
     metrics = (killed / "metrics.jsonl").read_text().splitlines(keepends=True)
     last = next(i for i, line in enumerate(metrics) if json.loads(line)["step"] == 6)
@@ -167,7 +169,7 @@ def test_a_full_disk_while_checkpointing_keeps_the_newest_whole_checkpoint(tmp_p
     assert run(capsys, shards, tmp_path, "straight")[0] == 0
     size = os.path.getsize(next((tmp_path / "straight").glob("ckpt_*.pt")))
     disk = FullDisk(tmp_path / "run", lambda name: ".pt.tmp" in name, room=size + size // 2)  # one and a half
-    monkeypatch.setattr(train_gpt2, "open", disk.open, raising=False)
+    monkeypatch.setattr("run_dir.open", disk.open, raising=False)
     code, out, err = run(capsys, shards, tmp_path, "run", "--save_every", "3")
     run_dir = tmp_path / "run"
     assert code == 1 and errors(err) == [
@@ -182,7 +184,7 @@ def test_a_full_disk_while_checkpointing_keeps_the_newest_whole_checkpoint(tmp_p
 
 def test_a_full_disk_while_logging_stops_at_once_and_the_run_resumes(tmp_path, shards, capsys, monkeypatch):
     assert run(capsys, shards, tmp_path, "straight")[0] == 0
-    monkeypatch.setattr(train_gpt2, "open", FullDisk(tmp_path / "run", lambda name: name == "metrics.jsonl",
+    monkeypatch.setattr("run_dir.open", FullDisk(tmp_path / "run", lambda name: name == "metrics.jsonl",
                                                      room=1500).open, raising=False)
     code, out, err = run(capsys, shards, tmp_path, "run", "--save_every", "2")
     assert code == 1 and len(errors(err)) == 1
@@ -195,7 +197,7 @@ def test_a_full_disk_while_logging_stops_at_once_and_the_run_resumes(tmp_path, s
 
 
 def test_a_full_disk_for_the_text_log_is_one_line_too(tmp_path, shards, capsys, monkeypatch):
-    monkeypatch.setattr(train_gpt2, "open", FullDisk(tmp_path / "run", lambda name: name == "log.txt",
+    monkeypatch.setattr("run_dir.open", FullDisk(tmp_path / "run", lambda name: name == "log.txt",
                                                      room=200).open, raising=False)
     code, out, err = run(capsys, shards, tmp_path, "run")
     assert code == 1 and errors(err)[0].startswith(f"error: {tmp_path / 'run' / 'log.txt'}: No space left on device")
@@ -246,7 +248,7 @@ def test_run_name_must_be_a_plain_name(tmp_path, shards, capsys, name):
 
 def test_a_claim_given_back_removes_only_what_it_made(tmp_path):
     made = RunDirClaim(str(tmp_path / "fresh"), str(tmp_path))
-    assert (tmp_path / "fresh" / train_gpt2.LOCK_NAME).exists()
+    assert (tmp_path / "fresh" / LOCK_NAME).exists()
     made.release()
     made.release()  # twice is harmless
     assert not (tmp_path / "fresh").exists()

@@ -5,16 +5,17 @@ import math
 from types import SimpleNamespace
 
 import pytest
-from conftest import make_shards, read_metrics, tiny_run_args
+from conftest import make_schedule, make_shards, read_metrics, tiny_run_args
 
-from train_gpt2 import (Warmdown, WarmdownPlan, lr_area, lr_scale, main, next_evaluation, plan_text, planned_warmdown,
-                        stable_fit, warmdown_area, warmdown_lr, warmdown_plan, warmdown_steps)
+from train_gpt2 import main
+from schedule import (Warmdown, Prediction, lr_area, lr_scale, next_evaluation, chosen_warmdown,
+                      stable_fit, warmdown_area, warmdown_lr, predict_warmdown, warmdown_steps)
 
 
 def schedule(**overrides):
     values = dict(num_iterations=1000, warmup_iters=10, warmdown_iters=250, lr_floor=0.1, cooldown_drop=0.2,
                   target_val_loss=4.3, lr_schedule="target")
-    return SimpleNamespace(**{**values, **overrides})
+    return make_schedule(**{**values, **overrides})
 
 
 def curve(step: int, args) -> float:
@@ -33,7 +34,7 @@ def test_the_fit_recovers_a_power_law_in_the_learning_rates_area():
 def test_the_warmdown_starts_at_the_first_evaluation_whose_prediction_reaches_the_target():
     args = schedule()
     evaluations = [(s, curve(s, args)) for s in range(25, 750, 25)]
-    start, end = planned_warmdown(evaluations, args).legs[0]  # later evaluations re-aim it (read on the curve: no drop)
+    start, end = chosen_warmdown(evaluations, args).legs[0]  # later evaluations re-aim it (read on the curve: no drop)
     # A warmdown from s ends where the curve stands at s's area plus its own, less the drop.
     def ends_at(s):
         return curve(s, args) - 40 * lr_area(s, args) ** -0.5 + 40 * (
@@ -41,7 +42,7 @@ def test_the_warmdown_starts_at_the_first_evaluation_whose_prediction_reaches_th
     assert ends_at(start) <= 4.3 < ends_at(start - 25)
     assert end - start == warmdown_steps(start, args) == round(start * 250 / 750)  # a quarter of the run
     # Each evaluation's plan: the step the prediction reaches the target, the same curve seen from any point.
-    plan = warmdown_plan([e for e in evaluations if e[0] <= 200], args)
+    plan = predict_warmdown([e for e in evaluations if e[0] <= 200], args)
     assert ends_at(plan.start) == pytest.approx(4.3, abs=2e-3) and start - 25 < plan.start <= start
     assert plan.predicted == pytest.approx(ends_at(200), abs=1e-6)
 
@@ -54,8 +55,8 @@ def test_the_warmdown_is_at_most_as_long_as_the_constant_phase_before_it():
     assert lr_scale(500, args) == 1.0 > lr_scale(501, args)
     assert lr_scale(1, schedule(warmup_iters=0, warmdown_iters=1000, lr_schedule="trapezoid")) < 1.0
     evaluations = [(s, curve(s, args)) for s in range(25, 525, 25)]
-    assert planned_warmdown(evaluations, args).legs[0] == (475, 950)  # started by step 500, the latest start
-    assert warmdown_plan(evaluations, args) is None  # the latest start has passed: nothing left to plan
+    assert chosen_warmdown(evaluations, args).legs[0] == (475, 950)  # started by step 500, the latest start
+    assert predict_warmdown(evaluations, args) is None  # the latest start has passed: nothing left to plan
 
 
 def test_d12_fasts_recipe_sizes_itself_from_a_half_run_warmdown():
@@ -72,15 +73,16 @@ def test_two_noisy_evaluations_late_on_do_not_tip_the_plan():
     args = schedule(target_val_loss=4.25)
     clean = [(s, curve(s, args)) for s in (50, 100, 150, 200, 400, 430, 620, 650)]
     noisy = clean[:6] + [(620, clean[6][1] + 0.05), (650, clean[7][1] + 0.08)]
-    assert warmdown_plan(clean, args).start < warmdown_plan(noisy, args).start < 1.15 * warmdown_plan(clean, args).start
+    clean_start = predict_warmdown(clean, args).start
+    assert clean_start < predict_warmdown(noisy, args).start < 1.15 * clean_start
 
 
 def test_a_target_the_longest_run_cannot_reach_keeps_the_fixed_schedule():
     args = schedule(target_val_loss=2.0)
     evaluations = [(s, curve(s, args)) for s in range(25, 1001, 25)]
-    assert planned_warmdown(evaluations, args) is None
-    assert math.isinf(warmdown_plan(evaluations[:10], args).start)
-    assert warmdown_plan(evaluations, args) is None  # the fixed warmdown has begun: nothing left to choose
+    assert chosen_warmdown(evaluations, args) is None
+    assert math.isinf(predict_warmdown(evaluations[:10], args).start)
+    assert predict_warmdown(evaluations, args) is None  # the fixed warmdown has begun: nothing left to choose
     assert [lr_scale(s, args) for s in (500, 750, 1000)] == pytest.approx([1.0, 1.0, 0.1])
 
 
@@ -102,7 +104,7 @@ def warmdown_run(args, drop: float, every: int = 25) -> tuple[list, Warmdown]:
     share of its decay done off it, each planned from those before (as a run does)."""
     evaluations, step = [], every
     while step <= args.num_iterations:
-        warmdown = planned_warmdown(evaluations, args) if evaluations else None
+        warmdown = chosen_warmdown(evaluations, args) if evaluations else None
         if warmdown is None:
             loss = curve(step, args)
         else:
@@ -114,7 +116,7 @@ def warmdown_run(args, drop: float, every: int = 25) -> tuple[list, Warmdown]:
         if loss <= args.target_val_loss or warmdown is not None and step == warmdown.end:  # where a run stops
             break
         step += every
-    return evaluations, planned_warmdown(evaluations, args)
+    return evaluations, chosen_warmdown(evaluations, args)
 
 
 @pytest.mark.parametrize("drop", [0.1, 0.3])
@@ -132,14 +134,14 @@ def test_the_warmdown_re_aims_its_end_from_the_drop_it_shows(drop):
     # No reading before DROP_READ_AFTER of the decay: the first evaluation in the warmdown keeps the end.
     start = warmdown.legs[0][0]
     early = [e for e in evaluations if e[0] <= start] + [(start + 1, curve(start + 1, args))]
-    assert planned_warmdown(early, args).legs == ((start, first_end),)
+    assert chosen_warmdown(early, args).legs == ((start, first_end),)
 
 
 def test_a_re_aimed_end_brings_the_curve_less_the_drop_read_to_the_target():
     args = schedule()
     evaluations, warmdown = warmdown_run(args, drop=0.15)
     for step, end in warmdown.legs[1:]:  # none of these is held by a bound
-        then = planned_warmdown([e for e in evaluations if e[0] <= step], args)
+        then = chosen_warmdown([e for e in evaluations if e[0] <= step], args)
         area = lr_area(then.legs[0][0], args) + warmdown_area(end, then.legs, args.lr_floor)
         assert 3.0 + 40.0 * area ** -0.5 - then.drop == pytest.approx(args.target_val_loss, abs=2e-3)
     # It ends at the target to within the drop read's remaining error (the expected drop still weighs in).
@@ -172,7 +174,7 @@ def test_a_run_chooses_and_re_aims_its_warmdown_says_so_and_a_resumed_run_keeps_
     code, straight, summary, records, out = run_target(capsys, tmp_path, "straight", "--save_every", "4",
                                                        "--val_loss_every", "2")
     assert code == 0 and summary["status"] == "reached_target"
-    legs = planned_warmdown(straight, SimpleNamespace(**json.loads(
+    legs = chosen_warmdown(straight, SimpleNamespace(**json.loads(
         (tmp_path / "straight" / "config.json").read_text())["args"])).legs
     assert summary["warmdown"] == [list(leg) for leg in legs]
     start, end = legs[0]
@@ -220,14 +222,14 @@ def test_bad_target_schedules_are_refused(tmp_path, capsys, flags, error):
 
 
 def test_the_val_line_says_the_prediction_until_the_warmdown_is_chosen():
-    run = SimpleNamespace(args=schedule(val_loss_every=25), evaluations=[(100, 5.0)], warmdown=None, scouted=False,
-                          plan=WarmdownPlan(predicted=4.61234, start=612.4))
-    assert plan_text(run) == (" | plan: a warmdown from here would end near 4.6123; one that ends at the target "
-                              "starts near step 612")
-    run.plan = WarmdownPlan(predicted=4.9, start=math.inf)
-    assert plan_text(run).endswith("starts not within --num_iterations")
+    run = schedule(val_loss_every=25)
+    run.evaluations, run.prediction = [(100, 5.0)], Prediction(predicted=4.61234, start=612.4)
+    assert run.outlook() == (" | plan: a warmdown from here would end near 4.6123; one that ends at the target "
+                             "starts near step 612")
+    run.prediction = Prediction(predicted=4.9, start=math.inf)
+    assert run.outlook().endswith("starts not within --num_iterations")
     run.warmdown = Warmdown(((600, 800),), (3.0, 40.0, 0.5), 0.2)  # chosen: the prediction is no longer news
-    assert plan_text(run) == ""
+    assert run.outlook() == ""
 
 
 def test_auto_evaluations_aim_at_the_planned_warmdown_start():

@@ -15,7 +15,10 @@ import pytest
 import torch
 
 from conftest import REPO, count_compiles, make_shards, read_metrics, tiny_run_args, train_losses
-from train_gpt2 import InputError, build_parser, format_summary, lr_scale, main, peak_flops, val_row_length
+from train_gpt2 import build_parser, main, peak_flops, val_row_length
+from schedule import lr_scale
+from run_dir import format_summary
+from common import InputError
 
 
 def run(capsys, shards, out, name="run", *extra):
@@ -217,7 +220,7 @@ def test_muon_recipe_gives_embeddings_and_scalars_their_own_adamw_groups():
 
 
 def test_muon_updates_are_orthogonalized():
-    from train_gpt2 import Optimizers
+    from optimizers import Optimizers
     w = torch.nn.Parameter(torch.zeros(32, 64))
     opt = Optimizers([torch.optim.Muon([w], lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False)])
     w.grad = torch.randn(32, 64) @ torch.diag(torch.logspace(0, 3, 64))  # badly conditioned gradient
@@ -237,7 +240,7 @@ def give_same_grads(params, twins, missing: int | None = None):
 def test_batched_muon_matches_torch_muon(nesterov):
     """Same updates as torch.optim.Muon, step after step, for square, wide and tall matrices, several of
     one shape, two groups with their own lr, momentum and weight decay, and a parameter without a grad."""
-    from train_gpt2 import BatchedMuon
+    from optimizers import BatchedMuon
     torch.manual_seed(0)
     shapes = [(48, 48), (48, 48), (32, 96), (32, 96), (96, 32), (40, 24)]
     start = [torch.randn(shape) for shape in shapes]
@@ -268,7 +271,7 @@ def test_compiled_batched_muon_equals_eager_with_one_graph_per_shape(refinements
     import functools
     import torch._dynamo.testing
     import train_gpt2
-    from train_gpt2 import BatchedMuon
+    from optimizers import BatchedMuon
     torch._dynamo.reset()
     torch.manual_seed(0)
     shapes = [(48, 96), (48, 96), (96, 48), (96, 48), (96, 48), (40, 40)]
@@ -296,7 +299,7 @@ def test_cautious_weight_decay_shrinks_only_weights_the_update_shrinks():
     """Beside a twin without decay (the same update), each weight whose update has its sign loses exactly
     lr * decay * step_size of itself, where step_size is lr * sqrt(max(1, rows / cols)); every other weight moves
     as the twin's. Plain decay, for contrast, shrinks them all."""
-    from train_gpt2 import BatchedMuon
+    from optimizers import BatchedMuon
     torch.manual_seed(0)
     shapes = [(96, 32), (32, 96), (48, 48)]
     start = [torch.randn(shape) for shape in shapes]
@@ -324,7 +327,7 @@ def test_normuon_evens_out_rows_and_keeps_the_updates_norm():
     """From zero weights, without momentum or weight decay, the step is the update itself. NorMuon's first
     update has rows (a wide matrix: columns) of one length and Muon's Frobenius norm; its second divides each
     row of Muon's update by the root of the running mean square (0.95 * first + 0.05 * second)."""
-    from train_gpt2 import BatchedMuon
+    from optimizers import BatchedMuon
     torch.manual_seed(0)
     shapes = [(96, 32), (32, 96), (48, 48)]
     plain = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
@@ -776,14 +779,14 @@ def test_a_damaged_copy_of_a_checkpoint_is_refused_by_the_digest_it_carries(tmp_
     line = _error(capsys, tiny_run_args(shards, tmp_path, "b", "--num_iterations", "8", "--resume", str(copy)))
     assert line == (f"error: --resume: {copy} does not match the digest it carries: the file is damaged (a run "
                     "keeps only its newest checkpoint; remove it, and --resume auto starts the run over)")
-    from train_gpt2 import load_checkpoint
+    from run_dir import load_checkpoint
     with pytest.raises(InputError, match="^--checkpoint: .* does not match the digest it carries"):
         load_checkpoint(str(copy), {}, flag="--checkpoint")  # what sample.py and eval_checkpoint.py say
     assert not (tmp_path / "b").exists()
 
 
 def test_the_digest_covers_every_tensor_byte_and_value_of_a_checkpoint():
-    from train_gpt2 import state_digest
+    from run_dir import state_digest
     state = dict(model={"w": torch.arange(6.0).reshape(2, 3)}, step=4, rng=torch.tensor([1, 2], dtype=torch.uint8),
                  half=torch.ones(3, dtype=torch.bfloat16), groups=[{"lr": 0.1}])
     digest = state_digest(state)
@@ -1006,11 +1009,11 @@ def test_muon_run_learns(tmp_path, capsys):
 
 def test_muon_momentum_warms_up():
     from model_variants import D12
-    from train_gpt2 import schedule_at
+    from schedule import Schedule
     args = build_parser().parse_args(["--muon_momentum_warmup", "4"])
-    assert [schedule_at(s, args, D12).muon_momentum for s in range(6)] == pytest.approx(
+    assert [Schedule.of(args, D12.window).at(s).muon_momentum for s in range(6)] == pytest.approx(
         [0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
-    assert schedule_at(0, build_parser().parse_args([]), D12).muon_momentum == 0.95
+    assert Schedule.of(build_parser().parse_args([]), D12.window).at(0).muon_momentum == 0.95
 
 
 def test_momentum_reaches_the_muon_optimizer(tmp_path, shards, capsys, monkeypatch):

@@ -11,7 +11,8 @@ import torch
 import train_gpt2
 from conftest import count_compiles, make_shards, read_metrics, tiny_run_args
 from model_variants import TINY, VARIANTS, with_overrides
-from train_gpt2 import GPT, build_parser, main, schedule_at, softmax_sample, warm_up_steps
+from train_gpt2 import GPT, build_parser, main, softmax_sample, warm_up_steps
+from schedule import Schedule
 
 
 def parse(*flags) -> Namespace:
@@ -36,12 +37,12 @@ def record_training_passes(monkeypatch, pick) -> list:
 def test_window_warmup_doubles_the_local_window_in_equal_stages():
     config = VARIANTS["d12_fast"]  # window 256 in three of four layers
     args = parse("--window_iters", "90")
-    windows = [schedule_at(step, args, config).local_window for step in range(120)]
+    windows = [Schedule.of(args, config.window).at(step).local_window for step in range(120)]
     assert windows[:45] == [64] * 45 and windows[45:90] == [128] * 45 and windows[90:] == [256] * 30
-    assert {schedule_at(step, parse(), config).local_window for step in range(100)} == {256}
+    assert {Schedule.of(parse(), config.window).at(step).local_window for step in range(100)} == {256}
     # With a curriculum beside it (rows of 256, 512, 1024), a graph for every (row length, window) the run meets:
     both = parse("--window_iters", "90", "--curriculum_iters", "60")
-    assert warm_up_steps(both, config) == [step for step in (0, 30, 45, 60, 90) for _ in range(3)]
+    assert warm_up_steps(Schedule.of(both, config.window)) == [step for step in (0, 30, 45, 60, 90) for _ in range(3)]
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -96,7 +97,8 @@ def test_window_warmup_flags_are_checked_against_the_model(tmp_path, shards, cap
 def test_the_sampled_softmax_draws_by_seed_step_and_micro_batch():
     from types import SimpleNamespace
     args, weights = parse("--sampled_softmax", "32"), torch.zeros(256)
-    assert warm_up_steps(args, VARIANTS["d12"]) == [0, 0, 0]  # one softmax over the whole run: one graph
+    # one softmax over the whole run: one graph
+    assert warm_up_steps(Schedule.of(args, VARIANTS["d12"].window)) == [0, 0, 0]
     env = SimpleNamespace(device=torch.device("cpu"), rank=0)
     first = softmax_sample(7, 1, args, 256, env, weights)
     assert first.columns == 32 and first.draws.shape == (256,)
