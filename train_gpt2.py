@@ -7,10 +7,12 @@
 train_gpt2.py; everything else (variants, logs, resume, DDP on CPU) is built around that one loop.
 The file reads top to bottom in sections:
 
-    config & CLI  ->  model  ->  data (the shard format: data/shards.py)  ->  evaluation  ->  optimizers &
-    schedule  ->  measurement (FLOPs, MFU, tokens/s)  ->  run directory & checkpoints  ->  training (setup_run,
-    train_step, the loop in train())  ->  main(). The fast paths (Triton kernels, each pinned by a test to the
-    torch form it replaces) are in kernels.py.
+    config & CLI  ->  model  ->  data (the shard format: data/shards.py)  ->  evaluation  ->  the optimizers'
+    groups  ->  measurement (FLOPs, MFU, tokens/s)  ->  a checkpoint's model  ->  training (setup_run,
+    train_step, the loop in train())  ->  main(). Beside it: optimizers.py (Muon, Lion), schedule.py (the step's
+    settings, the evaluation cadence, the target planner), run_dir.py (run directory, logs, checkpoints),
+    common.py (errors, notices, the argument parser) and kernels.py (Triton kernels, each pinned by a test to the
+    torch form it replaces).
 """
 
 import argparse
@@ -1382,7 +1384,7 @@ def evaluate(model: nn.Module, val: ValidationSet, world_size: int, dtype: str =
 
 
 # =============================================================================
-# Optimizer & schedule
+# The optimizers' parameter groups (the optimizers themselves: optimizers.py)
 # =============================================================================
 
 def muon_params(model: GPT) -> list[nn.Parameter]:
@@ -1603,7 +1605,7 @@ class StepMeter:
 
 
 # =============================================================================
-# Run directory, logs and checkpoints
+# A checkpoint's model (the run directory, logs and checkpoint files: run_dir.py)
 # =============================================================================
 
 def model_from_checkpoint(path: str, device: torch.device, flag: str = "--checkpoint") -> tuple[GPT, dict]:
