@@ -229,13 +229,13 @@ VARIANTS: dict[str, GPTConfig] = {
     "d12_fast": replace(
         D12, n_head=6,  # head_dim 128
         qk_norm=True, mlp_act="relu2", zero_init_proj=True, scale_attn_branch=False,
-        # 3x: the 4x MLP learns the same per token and runs 8% fewer tokens/s.
+        # 3x: a 4x MLP learns no more per token and runs slower.
         mlp_ratio=3,
         logit_softcap=15.0, embed_norm=True, x0_mix=True, value_residual=True, unet_skips=True,
         # The plain head's math in fewer passes over the logits; ReLU² in the epilogues of the MLP's products on
         # H100-class GPUs (two fewer passes over the MLP's activations each way, one (tokens, hidden) tensor less
-        # kept per layer); the chunked layers' blocks in the block-attention kernel (2.4-3.6 ms less a step
-        # than SDPA with cuDNN). The same gradients.
+        # kept per layer); the chunked layers' blocks in the block-attention kernel (less time a step than SDPA
+        # with cuDNN). The same gradients.
         fused_kernels=True,
         # Half the bytes for every elementwise pass over the stream, the same losses. (FP8 in the blocks'
         # linear layers was slower: at width 768 the casts cost more than the products save.)
@@ -250,66 +250,33 @@ VARIANTS: dict[str, GPTConfig] = {
 # Training settings a variant brings along: train_gpt2.py takes them as its flag defaults when --model
 # names the variant, and flags given on the command line still win. Keys are the trainer's flag names.
 RECIPES: dict[str, dict] = {
-    # The main job as it stands: `--model d12_fast` alone trains to val <= 3.3821 and stops there. The run sizes
-    # itself (lr_schedule target): the lr stays at the peak until the constant phase's curve says a warmdown as
-    # long as the steps before it ends at the target, within at most 10,000 steps of 65,536 tokens (0.66B, the upper
-    # end of the FineWeb tokens the proxy's calibration reads for d12_fast), then up to 5,000 overtime steps at the
-    # final lr (0.98B in all). Evaluations follow the curve (val_loss_every auto): sparse and in bf16 far from the
-    # target, dense near it. The fixed schedule the proxy forms run (lr_schedule trapezoid, val_loss_every 312)
-    # decays the lr linearly to 10% over the whole run, 32 evaluations a schedule.
-    # 65,536 tokens per step (one micro-batch of 16 rows of 4096): half the tokens of 262,144 to the same loss, for 2%
-    # fewer tokens/s. Muon's momentum warms up over the first 15% of the steps.
-    # muon_lr 0.03 and learning_rate 0.008 beat 1.5x up and down on P100; the other values follow the
-    # modded-nanogpt lineage. The head, tied to the input embedding as in every variant, trains at learning_rate;
-    # embed_lr is the value-embedding tables' (a flag, not the recipe's).
+    # The main job: `--model d12_fast` alone trains to val <= 3.3821 and stops there. The run sizes itself
+    # (lr_schedule target): the lr stays at its peak until the constant phase's curve says a warmdown as long as
+    # the steps before it ends at the target (cooldown_drop: what that warmdown is expected to take off the curve,
+    # set high so that it starts early rather than late), within 10,000 steps and 5,000 overtime steps at the
+    # final lr. Evaluations follow the curve: sparse and in bf16 far from the target, dense near it.
     "d12_fast": dict(
-        optimizer="muon", muon_lr=0.03, muon_momentum_warmup=1500, learning_rate=0.008, embed_lr=0.3,
-        scalar_lr=0.04, weight_decay=0.0, total_batch_size=65536, num_iterations=10000,
-        warmup_iters=0, warmdown_iters=10000, lr_floor=0.1, overtime_steps=5000, lr_schedule="target",
-        val_loss_every="auto",
-        # --lr_schedule target's prior for what the half-run warmdown takes off the constant phase's curve (P100:
-        # 0.30-0.31 from a constant-lr run); it starts the warmdown early rather than late, and the warmdown's
-        # own evaluations move its end out where they read less.
-        cooldown_drop=0.3,
-        # NorMuon's row scaling: fewer tokens to the same loss for well under 1% of the step. (Polar Express's
-        # quintics orthogonalize more closely but train no better: off.)
-        normuon_beta2=0.95,
-        # Cautious weight decay on Muon's matrices (modded-nanogpt's 1.2): lower on both seeds and on every
-        # FineWeb check at 80M tokens, by less than the seeds' spread, for no measurable step time.
-        cautious_weight_decay=1.2,
-        # A sampled softmax of 16,384 columns (each micro-batch's targets plus drawn others) over the whole run
-        # (one compiled graph): 16% more tokens/s, with the draws below a lower loss at 80M tokens
-        # and 1% more tokens to d12's final at 20M. 8,192 columns ran 22% faster but needed 30% more tokens.
-        # Each 32,768 tokens of a micro-batch draw their own sample, so the step trains the same in one micro-batch
-        # or two.
-        # The columns are drawn in proportion to each token's frequency (priority sampling): 4% fewer tokens to
-        # d12's final at 20M and lower at 80M than uniform draws, at the same tokens/s.
+        optimizer="muon", muon_lr=0.03, muon_momentum_warmup=1500, learning_rate=0.008, scalar_lr=0.04,
+        weight_decay=0.0, num_iterations=10000, warmup_iters=0, warmdown_iters=10000, lr_floor=0.1,
+        overtime_steps=5000, lr_schedule="target", val_loss_every="auto", cooldown_drop=0.3,
+        # Muon refined as in the later modded-nanogpt records: NorMuon's row scaling, cautious weight decay.
+        normuon_beta2=0.95, cautious_weight_decay=1.2,
+        # Small steps learn more per token: one micro-batch of 16 rows of 4096 tokens, its fixed costs paid once.
+        # The target is judged on those rows (NoCap allows it); NoCap's 1024-token rows are scored at the stop.
+        total_batch_size=65536, sequence_length=4096, batch_size=16, val_sequence_length="train",
+        val_batch_size=16,
+        # A sampled softmax over the targets and tokens drawn by frequency, a sample per 32,768 tokens: a step
+        # trains the same in one micro-batch or several, in one compiled graph.
         sampled_softmax=16384, sampled_softmax_tokens=32768,
-        # Trained and validated on rows of 4096 tokens (16 per micro-batch: the step in one; validation on
-        # the training rows, so that shorter ones given on the command line are validated as they train): the
-        # validation tokens are NoCap's, each scored with up to 4x the context, and NoCap's 1024-token rows are
-        # scored where the run stops (val_loss_1024). The target is judged on the 4096-token rows, which NoCap
-        # allows.
-        # Against 1024-token rows it ends lower the longer it trains, for 5% of the tokens/s; scored in 1024-token
-        # rows it ends where the 1024-token recipe does.
-        # One micro-batch a step: its fixed costs (weight casts, launches, the sum of two micro-batches'
-        # gradients) once, 3% more tokens/s than two of 8 rows, which train the same and need less memory.
-        # Validation batches as large: bf16 passes 3-5% faster than in batches of 4 rows (fp32 2%), within the step's
-        # peak memory.
-        sequence_length=4096, batch_size=16, val_sequence_length="train", val_batch_size=16,
-        # The local layers attend within 64 tokens first, doubling to the full 256 at 65.6% of the steps: fewer
-        # tokens to the same loss, at the cost of compiling each of the three windows.
+        # The local layers attend within a quarter of the window first, doubling to all of it at 65.6% of the run.
         window_iters=6560,
-        # Inductor's combo kernels save ~1.3 ms a step for ~30 s more compile: the step's first micro-batch opens
-        # with dozens of tiny weight casts, which the GPU runs faster than the host launches them one by one.
-        # (Coordinate-descent tuning, NoCap's and d12's, gains 0.4% tokens/s for 96 s more compile.)
+        # The first micro-batch opens with dozens of tiny weight casts: combined kernels launch them faster than
+        # the host would one by one.
         compile_tuning="combo_kernels"),
-    # NoCap's baseline token budget (4,768 steps of 524,288 = 2.5B tokens) in 16x smaller steps (each part is
-    # measured in docs/RESULTS.md, "d12_nocap"): 32,768 tokens per step, as below the critical batch size small
-    # batches learn more per token (McCandlish et al. 2018); a 5% linear warmup, then a linear decay to zero over
-    # the rest (Bergsma et al. 2025), whose best peak lr is lower than the one-cycle shape's: 8e-4; rows of 256
-    # tokens doubling to 1024 over the first 20% (sequence-length warmup: Li et al. 2022). The schedule stays
-    # NoCap's length: its FineWeb tokens have not been read off a horizon curve.
+    # NoCap's baseline token budget (4,768 steps of 524,288 = 2.5B tokens) in 16x smaller steps, each part from a
+    # paper (docs/RESULTS.md, "d12_nocap"): below the critical batch size small batches learn more per token
+    # (McCandlish et al. 2018); a 5% linear warmup, then a linear decay to zero (Bergsma et al. 2025); rows of 256
+    # tokens doubling to 1024 over the first 20% (sequence-length warmup: Li et al. 2022).
     "d12_nocap": dict(total_batch_size=32768, num_iterations=76288, learning_rate=8e-4, warmup_iters=3814,
                       warmdown_iters=72474, curriculum_iters=15258, val_loss_every=2048),
 }

@@ -73,8 +73,8 @@ def closure_loss(closure) -> torch.Tensor | None:
 class BatchedMuon(torch.optim.Muon):
     """torch.optim.Muon's update (momentum, Nesterov, Newton-Schulz, decoupled weight decay, the
     sqrt(max(1, rows/cols)) learning-rate scale) for all matrices of one shape at once: torch's orthogonalizes one
-    matrix at a time, ~1,000 kernel launches and 27.6 ms a step for d12_fast's 48 matrices on an H100, the GPU
-    mostly waiting on the host. Optional refinements: NorMuon's row scaling (`normuon_beta2` > 0, a running mean
+    matrix at a time, some 1,000 kernel launches a step for d12_fast's 48 matrices, the GPU mostly waiting on the
+    host. Optional refinements: NorMuon's row scaling (`normuon_beta2` > 0, a running mean
     square per row kept as "second_moment") and cautious weight decay (`muon_update`). Compiled, each shape's
     update is one graph; a shape with a matrix that got no gradient this step (LayerDrop) updates eagerly, since
     each such subset would be a graph of its own. State and checkpoints are torch.optim.Muon's."""

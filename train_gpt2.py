@@ -9,10 +9,11 @@ The file reads top to bottom in sections:
 
     config & CLI  ->  model  ->  data (the shard format: data/shards.py)  ->  evaluation  ->  the optimizers'
     groups  ->  measurement (FLOPs, MFU, tokens/s)  ->  a checkpoint's model  ->  training (setup_run,
-    train_step, the loop in train())  ->  main(). Beside it: optimizers.py (Muon, Lion), schedule.py (the step's
-    settings, the evaluation cadence, the target planner), run_dir.py (run directory, logs, checkpoints),
-    common.py (errors, notices, the argument parser) and kernels.py (Triton kernels, each pinned by a test to the
-    torch form it replaces).
+    train_step, the loop in train())  ->  main(). Beside it: train_config.py (the training flags, typed; `--model`
+    resolves into a GPTConfig and a TrainConfig once), schedule.py (the step's settings, the evaluation cadence, the
+    target planner), optimizers.py (Muon, Lion), run_dir.py (run directory, logs, checkpoints), plan_ideas.py (the
+    plans' ideas no recipe uses), common.py (errors, notices, the argument parser) and kernels.py (Triton kernels,
+    each pinned by a test to the torch form it replaces).
 """
 
 import argparse
@@ -23,7 +24,7 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import NamedTuple
 
 try:  # a few seconds of loading torch: Ctrl-C there is a stop, not a traceback of the import machinery
@@ -35,14 +36,17 @@ try:  # a few seconds of loading torch: Ctrl-C there is a stop, not a traceback 
 
     import kernels
     from data.shards import HEADER_BYTES, check_token_range, load_shard, match_shards, read_shard_header
-    from common import ArgumentParser, InputError, WriteFailed, need_package, notice, report_input_errors
+    from common import ArgumentParser, InputError, WriteFailed, notice, report_input_errors
     from kernels import host_to_device
     from model_variants import RECIPES, VARIANTS, GPTConfig, config_fields, get_variant, with_overrides
     from optimizers import MUON_MOMENTUM, BatchedMuon, Lion, Optimizers
+    from plan_ideas import (SpectralMixer, blocks_to_drop, consistency_objective, tokens_to_keep,
+                            with_tokens_dropped)
     from run_dir import (CHECKPOINT_FORMAT, RunDirClaim, RunLog, all_finite, atomic_write, check_run_dir,
                          format_summary, git_sha, list_checkpoints, load_checkpoint, read_metrics, repair_run_dir,
                          resolve_checkpoint_path, run_dir_path, state_digest)
-    from schedule import Schedule, StepSettings, Turn, overtime_applies, warmdown_start
+    from schedule import Schedule, StepSettings, Turn, overtime_applies
+    from train_config import FREQUENCY_COUNT_TOKENS, NOCAP_VAL_ROW, TrainConfig, add_train_flags
 except KeyboardInterrupt:
     print("interrupted while loading torch: nothing ran", file=sys.stderr)
     sys.exit(128 + signal.SIGINT)
@@ -54,18 +58,6 @@ REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 # Config & CLI
 # =============================================================================
 
-NOCAP_TARGET_VAL_LOSS = 3.3821
-NOCAP_VAL_TOKENS = 1_048_576  # fixed so that every run is scored on exactly the same tokens
-NOCAP_VAL_ROW = 1024  # NoCap's validation rows: 64 batches of 16 x 1024
-OPTIMIZERS = ("adamw", "adamw8bit", "lion", "muon")
-COMPILE_TUNINGS = ("coordinate_descent", "combo_kernels", "none")
-# The sampled softmax draws its columns by the token counts of this much of the training data's start (two P100
-# shards, part of one FineWeb shard): any token more frequent than one in a million is counted ~40 times. A fixed
-# amount, not whatever the shards present hold: the weights 1 + count smooth rare tokens by an amount that depends
-# on how many tokens are counted, and that moves the loss (P100 at 20M: counting 100M ended 0.034 higher).
-FREQUENCY_COUNT_TOKENS = 40_000_000
-
-
 def _parse_bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -74,380 +66,106 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
-def _parse_save_every(text: str) -> str:
-    try:
-        value = float(text[:-1]) if text.endswith("m") else int(text)
-    except ValueError:
-        value = -1
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected steps (500) or minutes (30m), got {text!r}")
-    return text
-
-
-def _parse_val_every(text: str) -> int | str:
-    if text == "auto":
-        return text
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: pass a step count (0: only at the end) or auto")
-    return int(text)
-
-
-def _parse_val_rows(text: str) -> int | str:
-    if text == "train":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'train', got {text!r}") from None
-
-
 def add_model_flags(parser: argparse.ArgumentParser, model: str = "d12"):
     """--model plus one flag per GPTConfig field (shared by the trainer and the tools), each with its meaning
     and the value that the variant `model` gives it (d12's where no variant has that name: the run says so)."""
     shown = model if model in VARIANTS else "d12"
     g = parser.add_argument_group("model", f"--model's fields, each changed by its flag (shown: {shown}'s)")
     g.add_argument("--model", default="d12", help="a registered variant (see --list_models)")
-    for knob in config_fields():
-        kind = _parse_bool if knob.type is bool else knob.type
-        g.add_argument(f"--{knob.name}", type=kind, default=None,
-                       help=f"{knob.metadata['help']} ({shown}: {getattr(VARIANTS[shown], knob.name)!r})")
+    for spec in config_fields():
+        kind = _parse_bool if spec.type is bool else spec.type
+        g.add_argument(f"--{spec.name}", type=kind, default=None,
+                       help=f"{spec.metadata['help']} ({shown}: {getattr(VARIANTS[shown], spec.name)!r})")
 
 
 def build_parser(model: str = "d12") -> argparse.ArgumentParser:
-    """The CLI. Defaults reproduce NoCap-Test's published baseline run (2.5B tokens, 4768 steps); `model`
-    names the variant whose fields --help shows (parse_args adds its recipe's defaults)."""
+    """The CLI: the model's flags, then the training config's (train_config.TrainConfig: defaults reproduce
+    NoCap-Test's published baseline run); `model` names the variant whose fields --help shows (parse_args adds
+    its recipe's defaults)."""
     p = ArgumentParser(description="Train GPT-2 on FineWeb token shards until val loss <= --target_val_loss.")
-    add_data_flags(p)
+    p.add_argument("--list_models", action=ListModels, nargs=0, help="print the registered variants and exit")
     add_model_flags(p, model)
-    p.add_argument("--list_models", action="store_true", help="print the registered variants and exit")
-    add_batch_flags(p)
-    g = p.add_argument_group("optimization")
-    add_optimizer_flags(g)
-    add_schedule_flags(g)
-    add_evaluation_flags(p)
-    add_run_flags(p)
+    add_train_flags(p)
     return p
 
 
-def add_data_flags(p: argparse.ArgumentParser):
-    g = p.add_argument_group("data")
-    g.add_argument("--input_bin", default="data/fineweb10B/fineweb_train_*.bin",
-                   help="glob of training shards, read in sorted order (get them: python data/fineweb.py)")
-    g.add_argument("--input_val_bin", default="data/fineweb10B/fineweb_val_*.bin",
-                   help="glob of validation shards; the first --val_tokens tokens of the first one are scored")
-    g.add_argument("--val_tokens", type=int, default=NOCAP_VAL_TOKENS,
-                   help="validation tokens per evaluation; keep the default to compare with NoCap-Test")
+class ListModels(argparse.Action):
+    """--list_models: print the variants and exit, as --help does."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(list_models())
+        parser.exit()
 
 
-def add_batch_flags(p: argparse.ArgumentParser):
-    g = p.add_argument_group("batch")
-    g.add_argument("--batch_size", type=int, default=16,
-                   help="sequences per micro-batch per GPU; halve it (and double accumulation) if you run out of "
-                        "memory")
-    g.add_argument("--sequence_length", type=int, default=1024, help="tokens per sequence")
-    g.add_argument("--curriculum_iters", type=int, default=0,
-                   help="sequence-length curriculum: rows of a quarter of --sequence_length, doubling at the "
-                        "halfway step, full from this step on; a micro-batch keeps its tokens and their order. 0: off")
-    g.add_argument("--window_iters", type=int, default=0,
-                   help="window warmup: the local layers attend within a quarter of --window, doubling at the "
-                        "halfway step, the full window from this step on (and always in evaluation). 0: off")
-    g.add_argument("--grad_accumulation_steps", type=int, default=None,
-                   help="micro-batches per optimizer step summed over all GPUs (NoCap semantics: divided by "
-                        "the number of processes); default 32, or derived from --total_batch_size")
-    g.add_argument("--total_batch_size", type=int, default=None,
-                   help="tokens per optimizer step; derives --grad_accumulation_steps")
-
-
-def add_optimizer_flags(g):
-    """The optimizer and its learning rates (the "optimization" group's first part)."""
-    g.add_argument("--num_iterations", type=int, default=4768, help="optimizer steps at most")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
-                   help="adamw: NoCap's; adamw8bit: with 8-bit moments (torchao); lion: Lion (betas 0.9, 0.99); "
-                        "muon: Muon on the blocks' matrices, AdamW on the rest (--learning_rate for the head, "
-                        "--embed_lr, --scalar_lr)")
-    g.add_argument("--learning_rate", type=float, default=0.0018, help="peak AdamW learning rate")
-    g.add_argument("--embed_lr", type=float, default=None,
-                   help="--optimizer muon: peak AdamW learning rate of the value-embedding tables (--value_embeds; "
-                        "default --learning_rate)")
-    g.add_argument("--scalar_lr", type=float, default=None,
-                   help="--optimizer muon: peak AdamW learning rate of gains and learned mixing scalars, which "
-                        "get no weight decay (default --learning_rate)")
-    g.add_argument("--muon_lr", type=float, default=0.02, help="peak Muon learning rate (--optimizer muon)")
-    g.add_argument("--muon_momentum_warmup", type=int, default=0,
-                   help=f"raise Muon's momentum linearly from 0.85 to {MUON_MOMENTUM} over this many steps")
-    g.add_argument("--normuon_beta2", type=float, default=0.0,
-                   help="NorMuon (Li et al. 2025): divide each row of Muon's update by the root of a running mean "
-                        "of its mean square, with this decay, keeping the update's norm; e.g. 0.95. 0: off")
-    g.add_argument("--cautious_weight_decay", type=float, default=0.0,
-                   help="cautious weight decay (Chen et al. 2025) of Muon's matrices, in place of --weight_decay: "
-                        "lr x this x the step's size off each weight whose update shrinks it anyway (update and "
-                        "weight of one sign), the others left alone (modded-nanogpt: 1.2). 0: off")
-
-
-def add_schedule_flags(g):
-    """What changes with the step: the learning rate's shape, LayerDrop, the sampled softmax (the
-    "optimization" group's second part)."""
-    g.add_argument("--lr_floor", type=float, default=0.0,
-                   help="the warmdown ends at this fraction of the peak learning rate (NoCap: 0)")
-    g.add_argument("--lr_schedule", choices=("trapezoid", "one_cycle", "target"), default="trapezoid",
-                   help="trapezoid: NoCap's linear warmup, constant, linear warmdown; one_cycle: a cosine rise "
-                        "from peak/25 over --warmup_iters, then a cosine fall to --lr_floor x peak at "
-                        "--num_iterations (torch's OneCycleLR; --warmdown_iters unused); target: the trapezoid "
-                        "sized by the run, its warmdown (the fraction of the run --warmdown_iters is of "
-                        "--num_iterations, at most half) starting at the first evaluation where the constant "
-                        "phase's curve says a warmdown started there ends at --target_val_loss, its end moved out "
-                        "where its own evaluations read a smaller drop; --num_iterations is the longest run, "
-                        "overtime the fallback")
-    g.add_argument("--cooldown_drop", type=float, default=0.2,
-                   help="--lr_schedule target: the loss a warmdown is expected to take off the constant phase's "
-                        "curve extended by the warmdown's learning-rate area, until the warmdown's own evaluations "
-                        "read it and re-aim its end (P100, d12_fast from a constant-lr run: 0.30-0.31 for "
-                        "half-run warmdowns, 0.20-0.24 for quarter-run ones; higher starts the warmdown earlier, "
-                        "which costs less than starting it late)")
-    g.add_argument("--warmup_iters", type=int, default=256, help="linear warmup steps")
-    g.add_argument("--warmdown_iters", type=int, default=1024, help="linear decay-to-zero steps at the end")
-    g.add_argument("--layerdrop", type=float, default=0.0,
-                   help="LayerDrop: skip each block but the first with this probability, falling linearly to 0 "
-                        "at 80%% of --num_iterations, so that the whole network trains the last fifth (never in "
-                        "evaluation)")
-    g.add_argument("--token_dropout", type=float, default=0.0,
-                   help="token dropout with a consistency loss (R-Drop with the plans' TokenMask): each micro-batch "
-                        "also runs with this fraction of its input tokens replaced by <|endoftext|>; the objective "
-                        "is both passes' mean next-token loss plus the symmetric KL between their predictions. "
-                        "Twice the work per token; needs the full softmax. e.g. 0.15; 0: off")
-    g.add_argument("--sampled_softmax", type=int, default=0,
-                   help="in training, the head scores K columns: the micro-batch's targets, and others drawn by "
-                        f"their counts in the training data's first {FREQUENCY_COUNT_TOKENS // 1_000_000}M tokens, "
-                        "each weighted for its share of those left out; the logged training loss is that "
-                        "softmax's estimate, evaluation scores the full one. 0: off")
-    g.add_argument("--sampled_softmax_tokens", type=int, default=0,
-                   help="positions per sample of the sampled softmax, each run of them scored against its own "
-                        "columns: a step trains the same in one micro-batch or several. 0: one per micro-batch")
-    g.add_argument("--weight_decay", type=float, default=0.1,
-                   help="decoupled weight decay of every parameter (--optimizer muon: but the gains and mixing "
-                        "scalars, and of Muon's matrices only without --cautious_weight_decay)")
-    g.add_argument("--seed", type=int, default=0, help="seed for model init")
-
-
-def add_evaluation_flags(p: argparse.ArgumentParser):
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--val_loss_every", type=_parse_val_every, default=128,
-                   help="evaluate every N steps (0: only at the end); auto: sparse far from --target_val_loss and "
-                        "dense near it (next_evaluation), in bf16 until it nears the target (SCOUT_MARGIN)")
-    g.add_argument("--val_batch_size", type=int, default=16, help="validation rows per batch per GPU")
-    g.add_argument("--val_sequence_length", type=_parse_val_rows, default=None,
-                   help="tokens per validation row (default: NoCap's 1024, or --sequence_length if shorter), or "
-                        "'train': the training rows. Longer rows (a multiple of 1024) decide the target; NoCap's "
-                        "rows of the same tokens are scored once, where the run stops (val_loss_1024; in bf16 "
-                        "where evaluations scout)")
-    g.add_argument("--target_val_loss", type=float, default=NOCAP_TARGET_VAL_LOSS,
-                   help="stop at the first evaluation at or below this (0 disables)")
-    g.add_argument("--overtime_steps", type=int, default=0,
-                   help="if the schedule ends above --target_val_loss, train on at its final learning rate for up "
-                        "to this many more steps, evaluating as --val_loss_every says (0: stop where it ends)")
-    g.add_argument("--val_dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="the precision the target is judged in (--val_loss_every auto scouts in bf16 far from it). "
-                        "fp32: NoCap's protocol; bf16: autocast as in training, for sweeps (compare runs only at the "
-                        "same setting)")
-
-
-def add_run_flags(p: argparse.ArgumentParser):
-    """Where the run goes, on what, how it compiles and checkpoints."""
-    g = p.add_argument_group("run")
-    g.add_argument("--output_dir", default="logs", help="runs are written to <output_dir>/<run_name>/")
-    g.add_argument("--run_name", default=None, help="default: <model>-<date>-<time>")
-    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    g.add_argument("--memory_cap_gib", type=float, default=None,
-                   help="let this process use at most this much GPU memory, e.g. 22 to check that a config fits "
-                        "a 24 GB card while running on a larger one")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model (default: on for CUDA, off for CPU)")
-    g.add_argument("--compile_tuning", choices=COMPILE_TUNINGS, default="coordinate_descent",
-                   help="what inductor spends compile time on: coordinate_descent tunes each kernel's launch, as "
-                        "NoCap does (faster steps); combo_kernels launches independent small kernels of a graph as "
-                        "one, which helps where the host falls behind a fast GPU (the casts of every weight at the "
-                        "start of a micro-batch); none: the fastest compile")
-    g.add_argument("--save_every", type=_parse_save_every, default="30m",
-                   help="also checkpoint every N steps (500) or N minutes (30m: a crash costs at most half an "
-                        "hour); 0: only the final checkpoint, always written")
-    g.add_argument("--resume", default=None,
-                   help="checkpoint path, or 'auto' for the newest checkpoint in the run directory; flags changed "
-                        "since its run (a lower --learning_rate, a longer --num_iterations) take effect from there")
-    g.add_argument("--resume_new_data", action="store_true",
-                   help="--resume on training shards other than the checkpoint's: the walk goes on by the batches "
-                        "drawn, over these shards (without it such a resume is refused)")
-    g.add_argument("--log_wandb", action="store_true", help="also log to Weights & Biases (pip install wandb)")
-
-
-def resolve_model_config(args) -> GPTConfig:
+def resolve_model_config(namespace: argparse.Namespace) -> GPTConfig:
+    """The model config of a parsed command line: its --model's variant with the model flags it gives."""
     try:
-        base = get_variant(args.model)
+        base = get_variant(namespace.model)
     except KeyError as e:
         raise InputError(f"--model: {e.args[0]}") from None
-    overrides = {f.name: getattr(args, f.name) for f in config_fields()}
+    overrides = {f.name: getattr(namespace, f.name) for f in config_fields()}
     try:
         return with_overrides(base, **overrides)
     except ValueError as e:
-        raise InputError(f"--model {args.model} with overrides: {e}") from None
+        raise InputError(f"--model {namespace.model} with overrides: {e}") from None
 
 
-def resolve_grad_accumulation(args, world_size: int) -> int:
-    """Micro-batches per optimizer step on this process (NoCap: the global count / world size)."""
-    tokens_per_micro_batch = args.batch_size * args.sequence_length * world_size
-    if args.total_batch_size is not None:
-        if args.total_batch_size % tokens_per_micro_batch:
-            raise InputError(
-                f"--total_batch_size {args.total_batch_size} is not a multiple of batch_size*sequence_length"
-                f"*world_size = {tokens_per_micro_batch}; pick a multiple or change --batch_size")
-        per_process = args.total_batch_size // tokens_per_micro_batch
-        if args.grad_accumulation_steps is not None and args.grad_accumulation_steps != per_process * world_size:
-            raise InputError(
-                f"--grad_accumulation_steps {args.grad_accumulation_steps} contradicts --total_batch_size "
-                f"{args.total_batch_size} (which implies {per_process * world_size}); pass only one of them")
-        return per_process
-    global_steps = 32 if args.grad_accumulation_steps is None else args.grad_accumulation_steps
-    if global_steps < 1 or global_steps % world_size:
-        raise InputError(
-            f"--grad_accumulation_steps {global_steps} must be a positive multiple of the number of "
-            f"processes ({world_size})")
-    return global_steps // world_size
+# Flags counted in optimizer steps: the schedule's shape, which --num_iterations alone re-sizes (resized_schedule).
+SCHEDULE_STEP_FLAGS = ("warmup_iters", "warmdown_iters", "muon_momentum_warmup", "val_loss_every", "curriculum_iters",
+                       "window_iters", "overtime_steps")
 
 
-def check_run_flags(args):
-    positive = ("batch_size", "sequence_length", "num_iterations", "val_batch_size", "val_tokens")
-    for name in positive:
-        if getattr(args, name) < 1:
-            raise InputError(f"--{name} {getattr(args, name)} must be >= 1")
-    if not 0 <= args.target_val_loss < math.inf:
-        raise InputError(f"--target_val_loss {args.target_val_loss} must be a finite loss >= 0 (0: no target, the "
-                         "whole schedule runs)")
-    if not 0 <= args.lr_floor <= 1:
-        raise InputError(f"--lr_floor {args.lr_floor} must be a fraction of the peak, between 0 and 1")
-    for name in ("warmup_iters", "warmdown_iters", "overtime_steps"):
-        if getattr(args, name) < 0:
-            raise InputError(f"--{name} {getattr(args, name)} must be >= 0")
-    if args.lr_schedule == "trapezoid" and args.warmup_iters + args.warmdown_iters > args.num_iterations:
-        raise InputError(f"--warmup_iters {args.warmup_iters} + --warmdown_iters {args.warmdown_iters} exceed "
-                         f"--num_iterations {args.num_iterations}; shorten them or train longer")
-    if args.lr_schedule == "target":
-        check_target_schedule(args)
-    if args.lr_schedule == "one_cycle" and not 0 < args.warmup_iters < args.num_iterations:
-        raise InputError(f"--lr_schedule one_cycle rises over --warmup_iters steps ({args.warmup_iters}): pass "
-                         f"a number between 1 and --num_iterations {args.num_iterations} - 1")
-    check_doubling_flags(args, "curriculum", "--sequence_length", args.sequence_length)
-    if not 0 <= args.token_dropout < 1:
-        raise InputError(f"--token_dropout {args.token_dropout} is a probability: pass a number in [0, 1)")
-    if args.token_dropout and args.sampled_softmax:
-        raise InputError("--token_dropout compares both passes' full softmaxes; pass --sampled_softmax 0")
-    if not 0 <= args.layerdrop < 1:
-        raise InputError(f"--layerdrop {args.layerdrop} is a probability: pass a number in [0, 1)")
-    if isinstance(args.val_sequence_length, int) and args.val_sequence_length < 1:
-        raise InputError(f"--val_sequence_length {args.val_sequence_length} must be >= 1")
-    if val_row_length(args) > NOCAP_VAL_ROW and val_row_length(args) % NOCAP_VAL_ROW:
-        raise InputError(f"--val_sequence_length {val_row_length(args)}: rows longer than NoCap's {NOCAP_VAL_ROW} "
-                         f"must be a multiple of it, so that NoCap's rows of the same tokens can be scored too; "
-                         f"pass {val_row_length(args) // NOCAP_VAL_ROW * NOCAP_VAL_ROW or NOCAP_VAL_ROW} or "
-                         f"{(val_row_length(args) // NOCAP_VAL_ROW + 1) * NOCAP_VAL_ROW}")
-    if args.optimizer == "adamw8bit":
-        need_package("torchao", "--optimizer adamw8bit (its 8-bit AdamW)")
-    for name in ("learning_rate", "embed_lr", "scalar_lr", "muon_lr", "weight_decay"):
-        if getattr(args, name) is not None and not 0 <= getattr(args, name) < math.inf:
-            raise InputError(f"--{name} {getattr(args, name)} must be a finite number >= 0")
-    if not 0 <= args.normuon_beta2 < 1:
-        raise InputError(f"--normuon_beta2 {args.normuon_beta2} must be in [0, 1) (e.g. 0.95; 0: off)")
-    if not 0 <= args.cautious_weight_decay < math.inf:
-        raise InputError(f"--cautious_weight_decay {args.cautious_weight_decay} must be a finite number >= 0 "
-                         "(e.g. 1.2; 0: off)")
-    if args.log_wandb:  # on every rank, before any waits for others
-        need_package("wandb", "--log_wandb")
-    if overtime_applies(args) and args.lr_floor == 0:
-        raise InputError(f"--overtime_steps {args.overtime_steps} trains at the schedule's final learning rate, "
-                         "--lr_floor x the peak, which is 0; pass --lr_floor > 0 (e.g. 0.1) or --overtime_steps 0")
-    if args.val_loss_every == "auto" and args.target_val_loss <= 0:
-        raise InputError("--val_loss_every auto spaces evaluations by the distance to --target_val_loss; pass a "
-                         "target > 0, or a step count")
-    if overtime_applies(args) and args.val_loss_every == 0:
-        raise InputError(f"--overtime_steps {args.overtime_steps} stops at the first evaluation under the target; "
-                         "pass --val_loss_every > 0")
+def given_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
+    """The flags the command line sets (abbreviated or as --flag=value too): argv parsed again with every
+    default replaced by a marker."""
+    unset = object()
+    parser.set_defaults(**{action.dest: unset for action in parser._actions})
+    given, _ = parser.parse_known_args(argv)
+    return {dest for dest, value in vars(given).items() if value is not unset}
 
 
-def check_target_schedule(args):
-    if args.target_val_loss <= 0:
-        raise InputError("--lr_schedule target sizes the run to --target_val_loss; pass a target > 0, or run a "
-                         "fixed schedule: --lr_schedule trapezoid --val_loss_every N")
-    if not (args.warmdown_iters > 0 and args.warmup_iters < warmdown_start(args)):
-        raise InputError(f"--lr_schedule target needs a constant phase to read the curve from and a warmdown: "
-                         f"pass --warmdown_iters > 0 and a --warmup_iters that ends before step "
-                         f"{warmdown_start(args)}, where the latest warmdown starts")
-    if not 0 <= args.cooldown_drop < math.inf:
-        raise InputError(f"--cooldown_drop {args.cooldown_drop} must be a finite loss >= 0 (e.g. 0.2)")
-    if args.lr_floor >= 1:
-        raise InputError("--lr_schedule target needs a warmdown that decays: pass --lr_floor < 1")
-    if args.overtime_steps <= 0 or args.lr_floor <= 0:
-        raise InputError("--lr_schedule target trains on where its warmdown ends above the target: pass "
-                         "--overtime_steps > 0 (e.g. a quarter of --num_iterations) and --lr_floor > 0 (e.g. 0.1)")
+def resized_schedule(defaults: dict, steps: int, given: set[str]) -> dict:
+    """The step-counted flags of a schedule of defaults["num_iterations"] steps at `steps` steps, each keeping
+    its fraction of the run (an evaluation interval at least 1); those given on the command line keep theirs."""
+    scale = steps / defaults["num_iterations"]
+    resized = {flag: round(defaults[flag] * scale) for flag in SCHEDULE_STEP_FLAGS
+               if isinstance(defaults[flag], int) and defaults[flag] and flag not in given}
+    if "val_loss_every" in resized:
+        resized["val_loss_every"] = max(1, resized["val_loss_every"])
+    return resized
 
 
-def check_doubling_flags(args, name: str, end_flag: str, end: int):
-    """--<name>_iters of a schedule that doubles from a quarter of `end` (the value of end_flag) to it: within
-    the run, and `end` a multiple of 4."""
-    iters = getattr(args, f"{name}_iters")
-    if not 0 <= iters <= args.num_iterations:
-        raise InputError(f"--{name}_iters {iters}: pass the step (1 to --num_iterations {args.num_iterations}) "
-                         f"at which the schedule reaches {end_flag}, or 0 for none")
-    if iters and (end < 4 or end % 4):
-        raise InputError(f"--{name}_iters starts at a quarter of {end_flag} {end}: pass a multiple of 4")
-
-
-def check_sampled_softmax(args, config: GPTConfig):
-    """The sampled softmax's flags; a sample as large as the vocabulary (a recipe's, under a smaller
-    --vocab_size) is the full softmax, and trains as it, with a notice."""
-    if args.sampled_softmax < 0:
-        raise InputError(f"--sampled_softmax {args.sampled_softmax}: pass how many columns to score (e.g. 16384), "
-                         "or 0 for the full softmax")
-    micro_tokens, group = args.batch_size * args.sequence_length, args.sampled_softmax_tokens
-    if group < 0:
-        raise InputError(f"--sampled_softmax_tokens {group}: pass how many tokens each sample covers, or 0 for one "
-                         "sample per micro-batch")
-    if args.sampled_softmax and group and micro_tokens > group and micro_tokens % group:
-        raise InputError(f"--sampled_softmax_tokens {group} must divide the micro-batch's {micro_tokens:,} tokens "
-                         "(--batch_size x --sequence_length); pick a divisor, or 0 for one sample per micro-batch")
-    if args.sampled_softmax and micro_tokens < group:
-        notice(f"--sampled_softmax_tokens {group}: a micro-batch holds {micro_tokens:,} tokens, so each draws its "
-               "own sample, for fewer tokens than that")
-    if args.sampled_softmax >= config.vocab_size:
-        notice(f"--sampled_softmax {args.sampled_softmax} covers the whole vocabulary of {config.vocab_size}: "
-               "the full softmax trains instead")
-        args.sampled_softmax = 0
-
-
-def check_window_warmup(args, config: GPTConfig):
-    if args.window_iters and not config.window:
-        raise InputError(f"--window_iters {args.window_iters}: --model {args.model} has no local attention "
-                         "layers (window 0) to warm up; pass --window W, or drop --window_iters")
-    check_doubling_flags(args, "window", "--window", config.window)
-
-
-def val_row_length(args) -> int:
-    """Validation rows: NoCap's 1024 tokens whatever training's row length (shorter rows for short models),
-    --val_sequence_length's, or the training rows ("train")."""
-    if args.val_sequence_length == "train":
-        return args.sequence_length
-    return args.val_sequence_length or min(NOCAP_VAL_ROW, args.sequence_length)
-
-
-def scores_nocap_rows(args) -> bool:
-    """Whether validation rows are longer than NoCap's, so that NoCap's 1024-token rows are scored too."""
-    return val_row_length(args) > NOCAP_VAL_ROW
-
-
-def nocap_rows_batch(args) -> int:
-    """Rows per batch of NoCap's 1024-token rows that hold a batch of validation rows' tokens (the same memory)."""
-    return args.val_batch_size * val_row_length(args) // NOCAP_VAL_ROW
+def parse_args(argv=None) -> tuple[GPTConfig, TrainConfig]:
+    """The command line as the run's model config and training config, with the chosen variant's recipe
+    (model_variants.RECIPES) as flag defaults, which --help shows beside the variant's own fields. A
+    --num_iterations other than the recipe's re-sizes its step-counted settings, so that a shorter or longer run
+    keeps the recipe's shape."""
+    first = ArgumentParser(add_help=False)  # which variant, and whether the batch is sized on the command line
+    first.add_argument("--model", default="d12")
+    first.add_argument("--total_batch_size", type=int)
+    first.add_argument("--grad_accumulation_steps", type=int)
+    known, _ = first.parse_known_args(argv)
+    parser = build_parser(known.model)
+    recipe = dict(RECIPES.get(known.model, {}))
+    if known.total_batch_size is not None or known.grad_accumulation_steps is not None:
+        # The user sized the batch with one of the two linked flags: the recipe's size gives way entirely.
+        recipe.pop("total_batch_size", None)
+        recipe.pop("grad_accumulation_steps", None)
+    parser.set_defaults(**recipe)
+    parsed = parser.parse_args(argv)
+    defaults = {flag: parser.get_default(flag) for flag in ("num_iterations", *SCHEDULE_STEP_FLAGS)}
+    if parsed.num_iterations != defaults["num_iterations"] and parsed.num_iterations > 0:
+        resized = resized_schedule(defaults, parsed.num_iterations, given_flags(build_parser(known.model), argv))
+        if resized:
+            vars(parsed).update(resized)
+            notice(f"--num_iterations {parsed.num_iterations} re-sizes {known.model}'s schedule of "
+                   f"{defaults['num_iterations']} steps: " + " ".join(f"--{k} {v}" for k, v in resized.items())
+                   + " (each keeps its fraction of the run; a flag given on the command line wins)")
+    return resolve_model_config(parsed), TrainConfig(**{f.name: getattr(parsed, f.name) for f in fields(TrainConfig)})
 
 
 # =============================================================================
-# Model: norms, rotary, the attention seam, the spectral mixer, MLP and MoE, blocks, GPT
+# Model: norms, rotary, the attention seam, MLP and MoE, blocks, GPT
 # =============================================================================
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -702,33 +420,6 @@ class LatentAttention(Attention):
         return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking), None
 
 
-class SpectralMixer(nn.Module):
-    """The token mixer of a spectral layer (S in window_pattern): each channel of a projection of the stream is
-    convolved along the row with its own learned kernel, gated by a second projection (H3's and Hyena's long
-    convolution). The convolution runs as a product of FFTs over twice the row, zero-padded, so the circular
-    wrap lands in the padding: position t sums positions <= t only, causal by construction, in O(T log T).
-    Kernels start as noise under an exponential decay, each channel with its own half-life (1 position to the
-    whole block), scaled to unit norm so the output keeps the input's scale."""
-
-    def __init__(self, config: GPTConfig, layer: int):
-        super().__init__()
-        self.c_in = nn.Linear(config.n_embd, 2 * config.n_embd, bias=False)  # the convolved value and the gate
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        decay = torch.logspace(0, -math.log10(config.block_size), config.n_embd)  # (n_embd,) per position
-        envelope = torch.exp(-decay * torch.arange(config.block_size)[:, None]) * (1 - torch.exp(-2 * decay)).sqrt()
-        self.kernel = nn.Parameter(torch.randn(config.block_size, config.n_embd) * envelope)  # (block_size, n_embd)
-
-    def forward(self, x, cos, sin, masking: Masking | None = None, v0=None, ve=None):
-        """x (B, T, n_embd) -> (the mixed stream (B, T, n_embd), None: no attention values). The FFTs in at least
-        fp32 (bf16 under autocast has no FFT of every length, and too few bits for sums over the whole row)."""
-        T = x.size(1)
-        value, gate = self.c_in(x).chunk(2, dim=-1)
-        dtype, n = torch.promote_types(value.dtype, torch.float32), 1 << (2 * T - 1).bit_length()  # n >= 2T
-        spectrum = torch.fft.rfft(value.to(dtype), n=n, dim=1) * torch.fft.rfft(self.kernel[:T].to(dtype), n=n, dim=0)
-        mixed = torch.fft.irfft(spectrum, n=n, dim=1)[:, :T]
-        return self.c_proj(mixed.to(gate.dtype) * F.silu(gate)), None
-
-
 def mlp_activation(h: torch.Tensor, act: str) -> torch.Tensor:
     """The MLP nonlinearity; SwiGLU's h holds the gate and the value side by side."""
     if act == "gelu":
@@ -888,14 +579,6 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 
-def symmetric_kl(logits_a: torch.Tensor, logits_b: torch.Tensor) -> torch.Tensor:
-    """(KL(p_a || p_b) + KL(p_b || p_a)) / 2 of the softmaxes of two logits (..., vocab), in at least fp32, averaged
-    over positions: R-Drop's consistency term (Liang et al. 2021), as sum (p_a - p_b)(log p_a - log p_b) / 2."""
-    dtype = torch.promote_types(logits_a.dtype, torch.float32)
-    log_a, log_b = logits_a.to(dtype).log_softmax(dim=-1), logits_b.to(dtype).log_softmax(dim=-1)
-    return ((log_a.exp() - log_b.exp()) * (log_a - log_b)).sum(dim=-1).mean() / 2
-
-
 class SoftmaxSample(NamedTuple):
     """A training softmax over `columns` columns of the vocabulary: every target of the micro-batch, and others
     drawn in proportion to exp(log_weights) (vocab,) by `draws` (vocab,), uniform on [0, 1); draws of shape
@@ -935,7 +618,6 @@ def sampled_softmax_columns(targets: torch.Tensor, sample: SoftmaxSample, vocab:
 
 
 MTP_WEIGHT = 0.3  # the extra targets' mean loss in the training objective (DeepSeek-V3 starts at 0.3)
-CONSISTENCY_WEIGHT = 1.0  # token dropout's consistency term (R-Drop's weight for language modeling)
 MOE_AUX_WEIGHT = 0.01  # the load-balancing loss's weight (the Switch Transformer's)
 EVALUATION_CHUNK = 8192  # positions an evaluation scores at once: 8192 x 50,304 fp32 logits are 1.6 GiB
 
@@ -1053,11 +735,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {T} tokens is longer than block_size {self.config.block_size}")
         cos, sin = self.rotary(T)
         x = self.embed(idx)
-        if token_keep is not None:  # one batch of both passes: the rows, then the rows with tokens dropped
-            # A dropped token reads as <|endoftext|>, not as a zero vector: a row that starts with dropped tokens
-            # would carry an all-zero stream, whose backward is NaN on CUDA (not on the CPU).
-            x = torch.cat([x, self.embed(idx.masked_fill(~token_keep, self.config.doc_token))])
-            idx = torch.cat([idx, idx])
+        if token_keep is not None:
+            x, idx = with_tokens_dropped(x, idx, token_keep, self.embed, self.config.doc_token)
         x, moe_terms = self.run_blocks(x, idx, cos, sin, self.masking(idx, local_window), drop_blocks)
         h, masked_h = rms_norm(x).chunk(2) if token_keep is not None else (rms_norm(x), None)
         if targets is None:
@@ -1128,10 +807,8 @@ class GPT(nn.Module):
         objective, next_token_loss = self.head_loss(h, targets, logits, sampled_softmax)
         aux = {"next_token_loss": next_token_loss}
         if masked_h is not None:
-            masked_logits = self.logits(masked_h)
-            masked_loss, consistency = cross_entropy(masked_logits, targets), symmetric_kl(logits, masked_logits)
-            aux["masked_token_loss"], aux["consistency_loss"] = masked_loss.detach(), consistency.detach()
-            objective = (objective + masked_loss) / 2 + CONSISTENCY_WEIGHT * consistency
+            objective, masked_aux = consistency_objective(objective, logits, self.logits(masked_h), targets)
+            aux.update(masked_aux)
         if c.mtp_k:
             mtp_losses = []
             for j, proj in enumerate(self.mtp_proj, start=1):
@@ -1397,20 +1074,20 @@ def muon_params(model: GPT) -> list[nn.Parameter]:
     return [p for p in hidden if id(p) not in excluded]
 
 
-def make_optimizer(model: GPT, args, device: torch.device, compiled: bool = False) -> Optimizers:
-    """The optimizers of args.optimizer; compiled: Muon's update is compiled too."""
-    adamw = dict(betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
-    if args.optimizer == "adamw":
+def make_optimizer(model: GPT, flags: TrainConfig, device: torch.device, compiled: bool = False) -> Optimizers:
+    """The optimizers of flags.optimizer; compiled: Muon's update is compiled too."""
+    adamw = dict(betas=(0.9, 0.95), weight_decay=flags.weight_decay, fused=device.type == "cuda")
+    if flags.optimizer == "adamw":
         # NoCap: one AdamW group over every parameter, weight decay included on embeddings.
-        return Optimizers([torch.optim.AdamW(model.parameters(), lr=args.learning_rate, **adamw)])
-    if args.optimizer == "adamw8bit":
+        return Optimizers([torch.optim.AdamW(model.parameters(), lr=flags.learning_rate, **adamw)])
+    if flags.optimizer == "adamw8bit":
         # The same, with both moments stored in 8 bits per value (blockwise scales; tensors under 4,096 values
         # stay fp32), a quarter of AdamW's optimizer memory.
-        from torchao.optim import AdamW8bit  # check_run_flags made sure it is there
-        return Optimizers([AdamW8bit(model.parameters(), lr=args.learning_rate, betas=adamw["betas"],
-                                     weight_decay=args.weight_decay)])
-    if args.optimizer == "lion":
-        return Optimizers([Lion(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)])
+        from torchao.optim import AdamW8bit  # TrainConfig.checked made sure it is there
+        return Optimizers([AdamW8bit(model.parameters(), lr=flags.learning_rate, betas=adamw["betas"],
+                                     weight_decay=flags.weight_decay)])
+    if flags.optimizer == "lion":
+        return Optimizers([Lion(model.parameters(), lr=flags.learning_rate, weight_decay=flags.weight_decay)])
     hidden = muon_params(model)
     kernels.kernel_runs("Newton-Schulz", device)
     taken = {id(p) for p in hidden}
@@ -1421,14 +1098,14 @@ def make_optimizer(model: GPT, args, device: torch.device, compiled: bool = Fals
     scalars = [p for p in model.parameters() if p.ndim < 2 and id(p) not in taken]
     taken |= {id(p) for p in scalars}
     rest = [p for p in model.parameters() if id(p) not in taken]
-    groups = [dict(params=rest, lr=args.learning_rate),
-              dict(params=embeddings, lr=args.learning_rate if args.embed_lr is None else args.embed_lr),
-              dict(params=scalars, lr=args.learning_rate if args.scalar_lr is None else args.scalar_lr,
+    groups = [dict(params=rest, lr=flags.learning_rate),
+              dict(params=embeddings, lr=flags.learning_rate if flags.embed_lr is None else flags.embed_lr),
+              dict(params=scalars, lr=flags.learning_rate if flags.scalar_lr is None else flags.scalar_lr,
                    weight_decay=0.0)]
     return Optimizers([
-        BatchedMuon(hidden, lr=args.muon_lr, momentum=MUON_MOMENTUM,
-                    weight_decay=args.cautious_weight_decay or args.weight_decay,
-                    cautious=args.cautious_weight_decay > 0, compiled=compiled, normuon_beta2=args.normuon_beta2),
+        BatchedMuon(hidden, lr=flags.muon_lr, momentum=MUON_MOMENTUM,
+                    weight_decay=flags.cautious_weight_decay or flags.weight_decay,
+                    cautious=flags.cautious_weight_decay > 0, compiled=compiled, normuon_beta2=flags.normuon_beta2),
         torch.optim.AdamW([g for g in groups if g["params"]], **adamw),
     ])
 
@@ -1440,52 +1117,29 @@ def micro_batch_seed(seed: int, step: int, micro_step: int, rank: int = 0) -> in
     return seed * 1_000_003 + step * 1_009 + micro_step + rank * 1_000_000_007
 
 
-def softmax_sample(step: int, micro_step: int, args, vocab: int, env, log_weights: torch.Tensor,
+def softmax_sample(step: int, micro_step: int, flags: TrainConfig, vocab: int, env, log_weights: torch.Tensor,
                    micro_tokens: int = 0) -> SoftmaxSample | None:
     """The sampled softmax of a micro-batch of micro_tokens tokens at `step` (None: the full softmax). With
     --sampled_softmax_tokens, a group's draws per that many tokens, numbered on from the step's earlier
     micro-batches, so the step draws the same however its micro-batches are sized; the draws depend only on
     (seed, step, group, rank), so a resumed run draws what the uninterrupted one drew."""
-    columns = args.sampled_softmax
+    columns = flags.sampled_softmax
     if not columns:
         return None
-    group = args.sampled_softmax_tokens
+    group = flags.sampled_softmax_tokens
     groups = micro_tokens // group if group and micro_tokens > group else 1
     draws = []
     for index in range(micro_step * groups, (micro_step + 1) * groups):
-        generator = torch.Generator(env.device).manual_seed(micro_batch_seed(args.seed, step, index, env.rank))
+        generator = torch.Generator(env.device).manual_seed(micro_batch_seed(flags.seed, step, index, env.rank))
         draws.append(torch.rand(vocab, generator=generator, device=env.device))
     return SoftmaxSample(columns, torch.stack(draws) if groups > 1 else draws[0], log_weights)
 
 
-def draw_log_weights(args, loader: TokenLoader) -> torch.Tensor | None:
+def softmax_log_weights(loader: TokenLoader) -> torch.Tensor:
     """The sampled softmax's log-weights: log(1 + each token's count in the training data's first
-    FREQUENCY_COUNT_TOKENS tokens), the same on every process and after a resume; None without a sampled softmax."""
-    if not args.sampled_softmax:
-        return None
+    FREQUENCY_COUNT_TOKENS tokens), the same on every process and after a resume."""
     counts = loader.token_counts(FREQUENCY_COUNT_TOKENS)
     return torch.from_numpy(np.log1p(counts)).float().to(loader.device)
-
-
-def tokens_to_keep(step: int, micro_step: int, args, env, shape: torch.Size) -> torch.Tensor | None:
-    """Token dropout's mask of a micro-batch of `shape` (rows, T), True where a token is kept, each dropped with
-    probability --token_dropout (None: off). The draw depends only on (seed, step, micro_step, rank), so a
-    resumed run masks what the uninterrupted one masked."""
-    if not args.token_dropout:
-        return None
-    generator = torch.Generator().manual_seed(micro_batch_seed(args.seed, step, micro_step, env.rank))
-    return host_to_device(torch.rand(shape, generator=generator) >= args.token_dropout, env.device)
-
-
-def blocks_to_drop(step: int, micro_step: int, seed: int, p: float, n_layer: int) -> tuple[int, ...]:
-    """The blocks a micro-batch skips: each block but the first independently with probability p. The draw
-    depends only on (seed, step, micro_step), so every process skips the same blocks and a resumed run draws
-    what the uninterrupted one drew."""
-    if p == 0:
-        return ()
-    generator = torch.Generator().manual_seed(micro_batch_seed(seed, step, micro_step))
-    draws = torch.rand(n_layer, generator=generator)
-    return tuple(i for i in range(1, n_layer) if draws[i] < p)
 
 
 # =============================================================================
@@ -1652,39 +1306,38 @@ def pick_device(flag: str, index: int = 0) -> torch.device:
     return torch.device(f"cuda:{index}" if use_cuda else "cpu")
 
 
-def check_device_fit(args, config: GPTConfig, env: Distributed):
+def check_device_fit(flags: TrainConfig, config: GPTConfig, env: Distributed):
     """Flags that depend on the device: the flash kernel's GPU generation, the memory cap, block_size."""
     if (config.attn_impl == "flash" and env.device.type == "cuda"
             and torch.cuda.get_device_capability(env.device) < (8, 0)):
         raise InputError("--attn_impl flash: this GPU has no flash-attention kernel (it needs sm80+, Ampere or "
                          "newer); use --attn_impl sdpa")
-    if args.memory_cap_gib is not None:
+    if flags.memory_cap_gib is not None:
         if env.device.type != "cuda":
             raise InputError("--memory_cap_gib limits GPU memory; drop it on CPU")
         total = torch.cuda.get_device_properties(env.device).total_memory
-        if not 0 < args.memory_cap_gib * 2**30 <= total:
-            raise InputError(f"--memory_cap_gib {args.memory_cap_gib} must be between 0 and this GPU's "
+        if not 0 < flags.memory_cap_gib * 2**30 <= total:
+            raise InputError(f"--memory_cap_gib {flags.memory_cap_gib} must be between 0 and this GPU's "
                              f"{total / 2**30:.1f} GiB")
-    if args.sequence_length > config.block_size:
-        raise InputError(f"--sequence_length {args.sequence_length} exceeds the model's block_size "
-                         f"{config.block_size}; pass --block_size {args.sequence_length} (or more)")
-    if val_row_length(args) > config.block_size:
-        raise InputError(f"--val_sequence_length {val_row_length(args)} exceeds the model's block_size "
-                         f"{config.block_size}; pass a shorter one or --block_size {val_row_length(args)}")
+    if flags.sequence_length > config.block_size:
+        raise InputError(f"--sequence_length {flags.sequence_length} exceeds the model's block_size "
+                         f"{config.block_size}; pass --block_size {flags.sequence_length} (or more)")
+    if flags.val_row_length > config.block_size:
+        raise InputError(f"--val_sequence_length {flags.val_row_length} exceeds the model's block_size "
+                         f"{config.block_size}; pass a shorter one or --block_size {flags.val_row_length}")
 
 
-def cap_gpu_memory(args, env: Distributed):
+def cap_gpu_memory(cap_gib: float, device: torch.device):
     """--memory_cap_gib: this process may use at most that much of the GPU (a 24 GB card's share, say)."""
-    if args.memory_cap_gib is not None:
-        total = torch.cuda.get_device_properties(env.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / total, env.device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total, device)
 
 
 @dataclass
 class Run:
     """A training run as the loop sees it: built once by setup_run, advanced by train_step, written out by
     save_checkpoint and the summary."""
-    args: argparse.Namespace
+    flags: TrainConfig
     env: Distributed
     config: GPTConfig
     run_dir: str
@@ -1702,7 +1355,7 @@ class Run:
     eval_model: nn.Module | None = None  # what evaluates: model, or raw_model where the evaluation cannot compile
     log: RunLog | None = None  # opened last, once nothing else can fail; train() closes it
     nocap_val: ValidationSet | None = None  # val's tokens in NoCap's 1024-token rows, where val's rows are longer
-    draw_log_weights: torch.Tensor | None = None  # the sampled softmax's weighted draws (draw_log_weights)
+    softmax_log_weights: torch.Tensor | None = None  # the sampled softmax's draws' weights (softmax_log_weights)
     claim: RunDirClaim | None = None  # rank 0's hold on run_dir (None on the other ranks)
     start_step: int = 0
     train_time_s: float = 0.0  # optimizer steps only, carried over a resume
@@ -1714,7 +1367,7 @@ class Run:
     @property
     def micro_tokens(self) -> int:
         """One micro-batch's tokens over all processes."""
-        return self.args.batch_size * self.args.sequence_length * self.env.world_size
+        return self.flags.batch_size * self.flags.sequence_length * self.env.world_size
 
     @property
     def tokens_per_step(self) -> int:
@@ -1725,10 +1378,10 @@ class Run:
         return step * self.tokens_per_step
 
 
-def report_sampled_softmax(args, config: GPTConfig, loader: TokenLoader, log: RunLog):
+def report_sampled_softmax(flags: TrainConfig, config: GPTConfig, loader: TokenLoader, log: RunLog):
     """Say what the sampled softmax trains on, with the distinct tokens of the first sample's positions (about
     its distinct targets): where they outnumber the columns, the positions of the targets left out go untrained."""
-    K, group = args.sampled_softmax, args.sampled_softmax_tokens
+    K, group = flags.sampled_softmax, flags.sampled_softmax_tokens
     if not group or group >= loader.B * loader.T:
         group = 0  # a sample per micro-batch
     scope = f"first {group:,} tokens" if group else "first micro-batch"
@@ -1747,34 +1400,32 @@ def report_sampled_softmax(args, config: GPTConfig, loader: TokenLoader, log: Ru
                f"lower {'--sampled_softmax_tokens' if group else '--batch_size'}")
 
 
-def setup_run(args) -> Run:
+def setup_run(config: GPTConfig, flags: TrainConfig) -> Run:
     """Check the flags, set up the device and processes, claim the run directory, then build the run. Bad
     input raises InputError before anything is written, and the claim is given back."""
-    check_run_flags(args)
-    config = resolve_model_config(args)
-    check_window_warmup(args, config)
-    check_sampled_softmax(args, config)
-    env = setup_distributed(args.device)
-    accumulation = resolve_grad_accumulation(args, env.world_size)
-    check_device_fit(args, config, env)
-    cap_gpu_memory(args, env)
-    run_dir = run_dir_path(args.output_dir, args.run_name, args.resume, args.model)
-    claim = claim_run_dir(args, run_dir, env)
+    flags = flags.checked(config)
+    env = setup_distributed(flags.device)
+    accumulation = flags.accumulation(env.world_size)
+    check_device_fit(flags, config, env)
+    if flags.memory_cap_gib is not None:
+        cap_gpu_memory(flags.memory_cap_gib, env.device)
+    run_dir = run_dir_path(flags.output_dir, flags.run_name, flags.resume, flags.model)
+    claim = claim_run_dir(run_dir, flags.output_dir, env)
     try:
-        return build_run(args, config, env, accumulation, run_dir, claim)
+        return build_run(flags, config, env, accumulation, run_dir, claim)
     except BaseException:
         if claim is not None:
             claim.release()
         raise
 
 
-def claim_run_dir(args, run_dir: str, env: Distributed) -> RunDirClaim | None:
+def claim_run_dir(run_dir: str, output_dir: str, env: Distributed) -> RunDirClaim | None:
     """Rank 0 claims the run directory (the only rank that writes); every rank learns whether it could, so
     that all stop together if not."""
     claim, error = None, None
     if env.is_main:
         try:
-            claim = RunDirClaim(run_dir, args.output_dir)
+            claim = RunDirClaim(run_dir, output_dir)
         except InputError as e:
             error = e
     if agree(env, int(error is not None))[0]:
@@ -1782,16 +1433,17 @@ def claim_run_dir(args, run_dir: str, env: Distributed) -> RunDirClaim | None:
     return claim
 
 
-def open_data(args, config: GPTConfig, env: Distributed) -> tuple[TokenLoader, ValidationSet, ValidationSet | None]:
+def open_data(flags: TrainConfig, config: GPTConfig, env: Distributed
+              ) -> tuple[TokenLoader, ValidationSet, ValidationSet | None]:
     """The training loader, the validation rows, and (where those are longer) the same tokens in NoCap's
     1024-token rows: NoCap scores 1024-token rows, longer ones give most tokens more context, both are reported."""
-    B, T = args.batch_size, args.sequence_length
-    train_loader = TokenLoader(args.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
-    val = ValidationSet(args.input_val_bin, args.val_tokens, args.val_batch_size, val_row_length(args), env.rank,
+    B, T = flags.batch_size, flags.sequence_length
+    train_loader = TokenLoader(flags.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
+    val = ValidationSet(flags.input_val_bin, flags.val_tokens, flags.val_batch_size, flags.val_row_length, env.rank,
                         env.world_size, config.vocab_size, env.device)
     nocap_val = None
-    if scores_nocap_rows(args):
-        nocap_val = ValidationSet(args.input_val_bin, args.val_tokens, nocap_rows_batch(args), NOCAP_VAL_ROW,
+    if flags.scores_nocap_rows:
+        nocap_val = ValidationSet(flags.input_val_bin, flags.val_tokens, flags.nocap_rows_batch, NOCAP_VAL_ROW,
                                   env.rank, env.world_size, config.vocab_size, env.device)
     return train_loader, val, nocap_val
 
@@ -1799,11 +1451,11 @@ def open_data(args, config: GPTConfig, env: Distributed) -> tuple[TokenLoader, V
 # Flags that say where and how a run runs, not what it trains; and those a checkpoint's layout already fixes (the
 # model, the batch: load_checkpoint refuses another). The rest, changed on a resume, take effect from there.
 NOT_TRAINING_FLAGS = {"output_dir", "run_name", "resume", "resume_new_data", "device", "compile", "compile_tuning",
-                      "memory_cap_gib", "save_every", "log_wandb", "list_models", "model", "batch_size",
+                      "memory_cap_gib", "save_every", "log_wandb", "model", "batch_size",
                       "sequence_length", "grad_accumulation_steps", "total_batch_size"}
 
 
-def resumed_flags(ckpt: dict, path: str, args, data: list) -> str:
+def resumed_flags(ckpt: dict, path: str, flags: TrainConfig, data: list) -> str:
     """What a resume from the checkpoint at `path` changes: another optimizer, whose state it cannot take, is
     refused; so are other training shards, unless --resume_new_data; every other training flag that changed takes
     effect from here. Returns the changes as text ("" for none; a checkpoint older than the flags it carries,
@@ -1811,20 +1463,19 @@ def resumed_flags(ckpt: dict, path: str, args, data: list) -> str:
     theirs = ckpt.get("flags")
     if theirs is None:
         return ""
-    if theirs["optimizer"] != args.optimizer:
-        raise InputError(f"--optimizer {args.optimizer}: {path} holds the state of --optimizer {theirs['optimizer']}, "
-                         f"which {args.optimizer} cannot take; resume with --optimizer {theirs['optimizer']}, or "
+    if theirs["optimizer"] != flags.optimizer:
+        raise InputError(f"--optimizer {flags.optimizer}: {path} holds the state of --optimizer {theirs['optimizer']}, "
+                         f"which {flags.optimizer} cannot take; resume with --optimizer {theirs['optimizer']}, or "
                          "start a new run")
-    if ckpt.get("data") != data and not args.resume_new_data:
+    if ckpt.get("data") != data and not flags.resume_new_data:
         shards = ckpt.get("data") or []
         raise InputError(f"--input_bin: {path} was trained on {len(shards)} shard(s) of "
                          f"{sum(n for _, n in shards):,} tokens ({', '.join(name for name, _ in shards[:3])}"
                          f"{', ...' if len(shards) > 3 else ''}), and --input_bin names {len(data)} of "
                          f"{sum(n for _, n in data):,} tokens now; pass the same shards, or --resume_new_data to go "
                          "on over these")
-    model_fields = {f.name for f in config_fields()}
-    changed = [f"--{name} {theirs.get(name)} -> {value}" for name, value in vars(args).items()
-               if name not in NOT_TRAINING_FLAGS | model_fields and theirs.get(name) != value]
+    changed = [f"--{name} {theirs.get(name)} -> {value}" for name, value in asdict(flags).items()
+               if name not in NOT_TRAINING_FLAGS and theirs.get(name) != value]
     if ckpt.get("data") != data:
         changed.append(f"training shards: {len(ckpt.get('data') or [])} -> {len(data)} (--resume_new_data)")
     return "; ".join(changed)
@@ -1835,7 +1486,7 @@ def resume_from(path: str, run: Run) -> list[dict]:
     the evaluation logged at that step (where the checkpoint followed one), once resumed_flags allows it. Returns
     the records of metrics.jsonl that the run keeps (those up to its step)."""
     ckpt = load_checkpoint(path, run.layout)
-    run.resume_changes = resumed_flags(ckpt, path, run.args, run.train_loader.fingerprint())
+    run.resume_changes = resumed_flags(ckpt, path, run.flags, run.train_loader.fingerprint())
     run.raw_model.load_state_dict(ckpt["model"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
     torch.set_rng_state(ckpt["rng_cpu"])
@@ -1859,10 +1510,10 @@ def resume_from(path: str, run: Run) -> list[dict]:
     return records
 
 
-def compile_model(args, env: Distributed, raw_model: GPT, compiled: bool) -> nn.Module:
+def compile_model(flags: TrainConfig, env: Distributed, raw_model: GPT, compiled: bool) -> nn.Module:
     """What trains: raw_model compiled and/or wrapped in DDP."""
     model = raw_model
-    if compiled and args.layerdrop:
+    if compiled and flags.layerdrop:
         # Which blocks run changes with every micro-batch: compiled whole, each new set would be a new graph.
         # Each block is compiled on its own instead, and the loop over them stays eager. So is the head's loss:
         # eager, it would hold a micro-batch's logits in fp32 several times over.
@@ -1871,72 +1522,72 @@ def compile_model(args, env: Distributed, raw_model: GPT, compiled: bool) -> nn.
         raw_model.head_loss = torch.compile(raw_model.head_loss, dynamic=False)
     elif compiled:
         # A graph per row length and window: their few stages are known, and static shapes compile best.
-        model = torch.compile(raw_model, dynamic=False if args.curriculum_iters or args.window_iters else None)
+        model = torch.compile(raw_model, dynamic=False if flags.curriculum_iters or flags.window_iters else None)
     if env.world_size > 1:
         # A skipped block's parameters get no gradient in that micro-batch: DDP must look for them.
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-            find_unused_parameters=args.layerdrop > 0)
+            find_unused_parameters=flags.layerdrop > 0)
     return model
 
 
-def build_run(args, config: GPTConfig, env: Distributed, accumulation: int, run_dir: str,
+def build_run(flags: TrainConfig, config: GPTConfig, env: Distributed, accumulation: int, run_dir: str,
               claim: RunDirClaim | None) -> Run:
     """Data, model and optimizer, the checkpoint resumed from if asked, the logs, the compiled model."""
-    check_run_dir(run_dir, args.resume)
-    ckpt_path = resolve_checkpoint_path(args.resume, run_dir)
+    check_run_dir(run_dir, flags.resume)
+    ckpt_path = resolve_checkpoint_path(flags.resume, run_dir)
     if env.world_size > 1:
         dist.barrier()  # every rank has read the run directory before rank 0 starts changing it
-    train_loader, val, nocap_val = open_data(args, config, env)
-    torch.manual_seed(args.seed)
+    train_loader, val, nocap_val = open_data(flags, config, env)
+    torch.manual_seed(flags.seed)
     raw_model = GPT(config).to(env.device)
-    compiled = env.device.type == "cuda" if args.compile is None else args.compile
+    compiled = env.device.type == "cuda" if flags.compile is None else flags.compile
     if compiled:
-        configure_compile(args.compile_tuning)
+        configure_compile(flags.compile_tuning)
     # What fixes the data walk, and what the evaluated model is.
-    layout = dict(model_config=asdict(config), batch_size=args.batch_size, sequence_length=args.sequence_length,
+    layout = dict(model_config=asdict(config), batch_size=flags.batch_size, sequence_length=flags.sequence_length,
                   world_size=env.world_size, grad_accumulation_steps=accumulation)
-    run = Run(args=args, env=env, config=config, run_dir=run_dir, raw_model=raw_model,
-              optimizer=make_optimizer(raw_model, args, env.device, compiled), train_loader=train_loader,
+    run = Run(flags=flags, env=env, config=config, run_dir=run_dir, raw_model=raw_model,
+              optimizer=make_optimizer(raw_model, flags, env.device, compiled), train_loader=train_loader,
               val=val, nocap_val=nocap_val, accumulation=accumulation, layout=layout, compiled=compiled,
-              schedule=Schedule.of(args, config.window),
+              schedule=Schedule.of(flags, config.window),
               # NoCap: bf16 autocast on CUDA; CPU runs stay in fp32 so tests are exact.
               autocast_ctx=precision(env.device, "bf16" if env.device.type == "cuda" else "fp32"),
-              draw_log_weights=draw_log_weights(args, train_loader), claim=claim)
+              softmax_log_weights=softmax_log_weights(train_loader) if flags.sampled_softmax else None, claim=claim)
     kept_records = resume_from(ckpt_path, run) if ckpt_path is not None else None
     if env.is_main:  # every input is checked: the run directory may change now
-        repair_run_dir(run_dir, restart=args.resume == "auto" and ckpt_path is None)
-    run.model = compile_model(args, env, raw_model, compiled)
-    run.eval_model = run.model if evaluation_compiles(config, args.val_dtype) else raw_model
+        repair_run_dir(run_dir, restart=flags.resume == "auto" and ckpt_path is None)
+    run.model = compile_model(flags, env, raw_model, compiled)
+    run.eval_model = run.model if evaluation_compiles(config, flags.val_dtype) else raw_model
     run.resumed_from = ckpt_path
     wandb_run = None
-    if args.log_wandb and env.is_main:
-        import wandb  # check_run_flags made sure it is there
-        wandb_run = wandb.init(project="gpt2-speedrun", name=os.path.basename(run_dir), config=vars(args))
+    if flags.log_wandb and env.is_main:
+        import wandb  # TrainConfig.checked made sure it is there
+        wandb_run = wandb.init(project="gpt2-speedrun", name=os.path.basename(run_dir), config=asdict(flags))
     run.log = RunLog(run_dir if env.is_main else None, kept_records, wandb_run)
     return run
 
 
 def describe_run(run: Run):
     """config.json, and the run's opening lines."""
-    args, env, config, raw_model, loader = run.args, run.env, run.config, run.raw_model, run.train_loader
+    flags, env, config, raw_model, loader = run.flags, run.env, run.config, run.raw_model, run.train_loader
     run.log.write_json("config.json", dict(
-        args=vars(args), model_config=asdict(config), run_dir=run.run_dir, git_sha=git_sha(),
+        args=asdict(flags), model_config=asdict(config), run_dir=run.run_dir, git_sha=git_sha(),
         torch_version=torch.__version__, cuda_version=torch.version.cuda,
         triton_version=kernels.triton.__version__ if kernels.triton is not None else None,
         device=torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",
         world_size=env.world_size, grad_accumulation_steps_per_process=run.accumulation,
         tokens_per_step=run.tokens_per_step, num_params=raw_model.num_params(),
         active_params=raw_model.active_params(), resumed_from=run.resumed_from, compile=run.compiled))
-    run.log.print(f"model {args.model}: {raw_model.num_params():,} parameters | {run.tokens_per_step:,} tokens/step "
-                  f"({args.batch_size}x{args.sequence_length} x {run.accumulation} accumulation x {env.world_size} "
+    run.log.print(f"model {flags.model}: {raw_model.num_params():,} parameters | {run.tokens_per_step:,} tokens/step "
+                  f"({flags.batch_size}x{flags.sequence_length} x {run.accumulation} accumulation x {env.world_size} "
                   f"processes) | train data {loader.total_tokens:,} tokens in {len(loader.files)} shards | run dir "
                   f"{run.run_dir}")
     if run.resumed_from is not None:
         run.log.print(f"resumed from {run.resumed_from} at step {run.start_step}" + (
             f"; changed since its run, from here on: {run.resume_changes}" if run.resume_changes else ""))
-    if args.sampled_softmax:
-        report_sampled_softmax(args, config, loader, run.log)
+    if flags.sampled_softmax:
+        report_sampled_softmax(flags, config, loader, run.log)
 
 
 def train_step(run: Run, step: int, settings: StepSettings) -> tuple[torch.Tensor, dict]:
@@ -1952,8 +1603,11 @@ def train_step(run: Run, step: int, settings: StepSettings) -> tuple[torch.Tenso
         x, y = run.train_loader.next_batch()  # (B, T)
         if rows != x.size(1):  # the same tokens in the same order as (B * T / rows, rows)
             x, y = x.reshape(-1, rows), y.reshape(-1, rows)
-        drop = blocks_to_drop(step, micro_step, run.args.seed, settings.layerdrop, run.config.n_layer)
-        sample = softmax_sample(step, micro_step, run.args, run.config.vocab_size, run.env, run.draw_log_weights,
+        drop = blocks_to_drop(micro_batch_seed(run.flags.seed, step, micro_step), settings.layerdrop,
+                              run.config.n_layer)
+        keep = tokens_to_keep(micro_batch_seed(run.flags.seed, step, micro_step, run.env.rank), run.flags.token_dropout,
+                              x.shape, run.env.device)
+        sample = softmax_sample(step, micro_step, run.flags, run.config.vocab_size, run.env, run.softmax_log_weights,
                                 x.numel())
         # DDP all-reduces gradients only on the last micro-batch.
         last = micro_step == accumulation - 1
@@ -1961,8 +1615,7 @@ def train_step(run: Run, step: int, settings: StepSettings) -> tuple[torch.Tenso
         with sync:
             with run.autocast_ctx:
                 _, objective, aux = run.model(x, y, return_logits=False, drop_blocks=drop, local_window=window,
-                                              sampled_softmax=sample,
-                                              token_keep=tokens_to_keep(step, micro_step, run.args, run.env, x.shape))
+                                              sampled_softmax=sample, token_keep=keep)
             (objective / accumulation).backward()
         run.train_loader.prefetch()  # the next micro-batch (the next step's first), read while this one runs
         step_loss += aux.pop("next_token_loss") / accumulation
@@ -2050,7 +1703,7 @@ def warm_up_compile(run: Run) -> float:
                f"names them")
     run.eval_model.eval()
     with torch.no_grad():  # the evaluation graphs, each in its precision
-        for val, dtype in ((run.val, run.args.val_dtype), (run.nocap_val, run.schedule.nocap_rows_dtype),
+        for val, dtype in ((run.val, run.flags.val_dtype), (run.nocap_val, run.schedule.nocap_rows_dtype),
                            (run.val if run.schedule.scouts else None, "bf16")):
             for x, y in val.shapes() if val is not None else ():
                 with precision(run.env.device, dtype):
@@ -2084,7 +1737,7 @@ def checkpoint_state(run: Run, step: int, evaluated: bool) -> dict | None:
         step=step, batches_drawn=run.train_loader.batches_drawn, train_time_s=run.train_time_s, evaluated=evaluated,
         evaluations=[[s, loss] for s, loss in run.schedule.evaluations],
         rng_cpu=torch.get_rng_state(), rng_cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        flags=vars(run.args), data=run.train_loader.fingerprint(), **run.layout))
+        flags=asdict(run.flags), data=run.train_loader.fingerprint(), **run.layout))
     state["digest"] = state_digest(state)
     return state
 
@@ -2173,7 +1826,7 @@ def evaluate_and_record(run: Run, step: int, stop: StopSignal, judged: bool) -> 
     run.scouted, cut_short = scout is not None and scout > near, scouting and scout is None
     # Judged here unless the scout stands: scored (again) in --val_dtype, the scout kept beside it, so that every
     # run records how far bf16 reads from the judge where it matters (the margin's premise).
-    val_loss = scout if run.scouted or cut_short else score(run.args.val_dtype)
+    val_loss = scout if run.scouted or cut_short else score(run.flags.val_dtype)
     eval_s = time.perf_counter() - t0
     if val_loss is None:
         return None, eval_s, False
@@ -2186,19 +1839,19 @@ def evaluate_and_record(run: Run, step: int, stop: StopSignal, judged: bool) -> 
 def timed_step(run: Run, step: int, settings: StepSettings) -> tuple[float, torch.Tensor, dict, float]:
     """Optimizer step number step + 1 with the schedule's settings, timed between two device synchronizations:
     (seconds, mean loss, auxiliary terms, the logged learning rate)."""
-    args = run.args
-    if args.optimizer == "muon":
+    flags = run.flags
+    if flags.optimizer == "muon":
         run.optimizer.set_momentum(settings.muon_momentum)
     synchronize(run.env.device)
     t0 = time.perf_counter()
     try:
         step_loss, aux = train_step(run, step, settings)
     except torch.OutOfMemoryError:
-        raise out_of_memory(f"in step {step + 1}", args.batch_size, args.sequence_length) from None
+        raise out_of_memory(f"in step {step + 1}", flags.batch_size, flags.sequence_length) from None
     synchronize(run.env.device)
     step_s = time.perf_counter() - t0
     run.train_time_s += step_s
-    return step_s, step_loss, aux, args.learning_rate * settings.lr_scale  # logged: the AdamW peak times the schedule
+    return step_s, step_loss, aux, flags.learning_rate * settings.lr_scale  # logged: the AdamW peak times the schedule
 
 
 @dataclass
@@ -2222,18 +1875,18 @@ def evaluate_nocap_rows(run: Run, step: int, outcome: Outcome) -> str:
     outcome.final_val_loss_1024 = evaluate(run.eval_model, run.nocap_val, run.env.world_size, dtype)
     eval_s = time.perf_counter() - t0
     outcome.eval_time_s += eval_s
-    scouted = {"val_dtype": dtype} if dtype != run.args.val_dtype else {}
+    scouted = {"val_dtype": dtype} if dtype != run.flags.val_dtype else {}
     run.log.record(step=step, tokens=run.tokens_through(step), val_loss_1024=outcome.final_val_loss_1024,
                    eval_s=eval_s, **scouted)
     return f" (1024-token rows{', ' + dtype if scouted else ''}: {outcome.final_val_loss_1024:.6f})"
 
 
-def train(args) -> int:
+def train(config: GPTConfig, flags: TrainConfig) -> int:
     """Train until the target, the end of the schedule (and its overtime), a signal or divergence; returns
     the exit code: 0, 1 diverged or the run directory could not be written, 128 + the signal."""
     wall_start = time.perf_counter()
     try:
-        run = setup_run(args)
+        run = setup_run(config, flags)
     except WriteFailed as e:
         return report_write_failure(e, step=None)
     outcome, meter = Outcome(step=run.start_step), None
@@ -2252,7 +1905,8 @@ def train(args) -> int:
                 run.log.print(f"received signal {e.args[0]} during the compile warm-up: stopping, nothing trained")
             if outcome.status != "interrupted":
                 sample = run.train_loader.sample_rows(64) if run.config.doc_mask else None  # documents' lengths
-                meter = StepMeter(run.raw_model, run.env, run.tokens_per_step, sample, 2 if args.token_dropout else 1)
+                passes = 2 if run.flags.token_dropout else 1
+                meter = StepMeter(run.raw_model, run.env, run.tokens_per_step, sample, passes)
                 train_loop(run, stop, outcome, meter)
         finish(run, outcome, meter, wall_start)
     except WriteFailed as e:
@@ -2288,7 +1942,7 @@ def train_loop(run: Run, stop: StopSignal, outcome: Outcome, meter: StepMeter):
     last step), checkpoint when due (by steps or minutes), one optimizer step."""
     progress = progress_bar(run, run.schedule.final_step)
     emit = progress.write if progress is not None else run.log.print
-    saves = SaveCadence(run.args.save_every, run.start_step)
+    saves = SaveCadence(run.flags.save_every, run.start_step)
     step = run.start_step
     while True:
         signum, minutes_due = agree(run.env, stop.signum, int(saves.minutes_due()))  # all ranks act at one step
@@ -2335,7 +1989,7 @@ def evaluation_turn(run: Run, outcome: Outcome, step: int, judged: bool, stop: S
             emit(line)
     if decision == "reached":
         outcome.status = "reached_target"
-    elif decision == "ended" and run.args.target_val_loss > 0:
+    elif decision == "ended" and run.flags.target_val_loss > 0:
         outcome.status = "missed_target"
     return decision
 
@@ -2418,7 +2072,7 @@ def record_step(run: Run, meter: StepMeter, step: int, trained: tuple, settings:
     """Log optimizer step number step + 1, trained = (seconds, loss, aux terms, lr): its tokens/s and MFU,
     metrics.jsonl, the progress bar or a line, and the eta once the step time has settled. Returns its loss."""
     step_s, step_loss, aux, lr = trained
-    tokens_per_s, mfu = meter.step(step_s, settings.row_length, settings.local_window, run.args.sampled_softmax)
+    tokens_per_s, mfu = meter.step(step_s, settings.row_length, settings.local_window, run.flags.sampled_softmax)
     done, final_step = step + 1, run.schedule.final_step
     if len(meter.step_seconds) == 10 and done < final_step:  # once the step time has settled
         emit(meter.eta_line(final_step - done))
@@ -2438,19 +2092,19 @@ def record_step(run: Run, meter: StepMeter, step: int, trained: tuple, settings:
 
 def finish(run: Run, outcome: Outcome, meter: StepMeter | None, wall_start: float):
     """Write the summary (summary.json and the closing block) and close the process group."""
-    args = run.args
+    flags = run.flags
     tokens_per_s = meter.steady_tokens_per_s() if meter is not None else None
     summary = dict(
-        status=outcome.status, reached_target=outcome.status == "reached_target", target_val_loss=args.target_val_loss,
+        status=outcome.status, reached_target=outcome.status == "reached_target", target_val_loss=flags.target_val_loss,
         final_val_loss=outcome.final_val_loss, steps=outcome.step,
         overtime_steps=max(0, outcome.step - run.schedule.end), tokens=run.tokens_through(outcome.step),
         train_time_s=run.train_time_s, compile_s=outcome.compile_s, eval_time_s=outcome.eval_time_s,
         wall_time_s=time.perf_counter() - wall_start, tokens_per_s=tokens_per_s,
         mfu=meter.steady_mfu() if meter is not None else None,
-        peak_mem_mib=meter.peak_mem_mib() if meter is not None else None, model=args.model, run_dir=run.run_dir)
+        peak_mem_mib=meter.peak_mem_mib() if meter is not None else None, model=flags.model, run_dir=run.run_dir)
     if run.nocap_val is not None:
         summary["final_val_loss_1024"] = outcome.final_val_loss_1024
-    if args.lr_schedule == "target":
+    if flags.lr_schedule == "target":
         # [[first step, end], [step of a re-aim, its end], ...]; None: --num_iterations' own
         summary["warmdown"] = run.schedule.warmdown_legs
     run.log.write_json("summary.json", summary)
@@ -2482,65 +2136,8 @@ def list_models() -> str:
     return "\n".join(rows)
 
 
-# Flags counted in optimizer steps: the schedule's shape, which --num_iterations alone re-sizes (resized_schedule).
-SCHEDULE_STEP_FLAGS = ("warmup_iters", "warmdown_iters", "muon_momentum_warmup", "val_loss_every", "curriculum_iters",
-                       "window_iters", "overtime_steps")
-
-
-def given_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
-    """The flags the command line sets (abbreviated or as --flag=value too): argv parsed again with every
-    default replaced by a marker."""
-    unset = object()
-    parser.set_defaults(**{action.dest: unset for action in parser._actions})
-    given, _ = parser.parse_known_args(argv)
-    return {dest for dest, value in vars(given).items() if value is not unset}
-
-
-def resized_schedule(defaults: dict, steps: int, given: set[str]) -> dict:
-    """The step-counted flags of a schedule of defaults["num_iterations"] steps at `steps` steps, each keeping
-    its fraction of the run (an evaluation interval at least 1); those given on the command line keep theirs."""
-    scale = steps / defaults["num_iterations"]
-    resized = {flag: round(defaults[flag] * scale) for flag in SCHEDULE_STEP_FLAGS
-               if isinstance(defaults[flag], int) and defaults[flag] and flag not in given}
-    if "val_loss_every" in resized:
-        resized["val_loss_every"] = max(1, resized["val_loss_every"])
-    return resized
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    """The command line, with the chosen variant's recipe (model_variants.RECIPES) as flag defaults, which
-    --help shows beside the variant's own fields. A --num_iterations other than the recipe's re-sizes its
-    step-counted settings, so that a shorter or longer run keeps the recipe's shape."""
-    first = ArgumentParser(add_help=False)  # which variant, and whether the batch is sized on the command line
-    first.add_argument("--model", default="d12")
-    first.add_argument("--total_batch_size", type=int)
-    first.add_argument("--grad_accumulation_steps", type=int)
-    known, _ = first.parse_known_args(argv)
-    parser = build_parser(known.model)
-    recipe = dict(RECIPES.get(known.model, {}))
-    if known.total_batch_size is not None or known.grad_accumulation_steps is not None:
-        # The user sized the batch with one of the two linked flags: the recipe's size gives way entirely.
-        recipe.pop("total_batch_size", None)
-        recipe.pop("grad_accumulation_steps", None)
-    parser.set_defaults(**recipe)
-    args = parser.parse_args(argv)
-    defaults = {flag: parser.get_default(flag) for flag in ("num_iterations", *SCHEDULE_STEP_FLAGS)}
-    if args.num_iterations != defaults["num_iterations"] and args.num_iterations > 0:
-        resized = resized_schedule(defaults, args.num_iterations, given_flags(build_parser(known.model), argv))
-        if resized:
-            vars(args).update(resized)
-            notice(f"--num_iterations {args.num_iterations} re-sizes {known.model}'s schedule of "
-                   f"{defaults['num_iterations']} steps: " + " ".join(f"--{k} {v}" for k, v in resized.items())
-                   + " (each keeps its fraction of the run; a flag given on the command line wins)")
-    return args
-
-
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.list_models:
-        print(list_models())
-        return 0
-    return report_input_errors(lambda: train(args))
+    return report_input_errors(lambda: train(*parse_args(argv)))
 
 
 if __name__ == "__main__":

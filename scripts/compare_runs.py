@@ -18,10 +18,12 @@ import json
 import os
 import statistics
 import sys
+from dataclasses import asdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.shards import check_output_file  # noqa: E402
-from train_gpt2 import build_parser  # noqa: E402
+from model_variants import config_fields  # noqa: E402
+from train_config import TrainConfig  # noqa: E402
 from run_dir import read_metrics  # noqa: E402
 from common import ArgumentParser, InputError, need_package  # noqa: E402
 
@@ -98,22 +100,24 @@ def run_stats(run: dict, target: float) -> dict:
 
 @functools.cache
 def flag_defaults() -> dict:
-    """The trainer's own flag defaults, without any recipe's: what a run made before a flag existed did
+    """The trainer's own training-flag defaults, without any recipe's: what a run made before a flag existed did
     (a new flag's default keeps the trainer's earlier behaviour)."""
-    return vars(build_parser().parse_args([]))
+    return asdict(TrainConfig())
 
 
 def group_key(run: dict) -> str:
-    """What a run trained, apart from its seed: every flag that changes it, and the number of processes.
-    A flag its config does not record (it predates the flag) counts at the flag's default; a flag the
-    trainer no longer has counts only where the run set it."""
+    """What a run trained, apart from its seed: its model config, every training flag that changes it, and the
+    number of processes. A flag its config does not record (it predates the flag) counts at the flag's default; a
+    flag the trainer no longer has counts only where the run set it (older runs also record the model's flags
+    among their flags: the model config holds what they gave)."""
     config = run["config"]
     if not config.get("args"):
         return run["name"]  # no config.json: the run stands alone
-    defaults = flag_defaults()
+    defaults, model_flags = flag_defaults(), {f.name for f in config_fields()}
     args = {k: v for k, v in {**defaults, **config["args"]}.items()
-            if k not in NOT_CONFIG and (k in defaults or v is not None)}
-    return json.dumps(dict(args=args, world_size=config.get("world_size")), sort_keys=True)
+            if k not in NOT_CONFIG | model_flags and (k in defaults or v not in (None, False))}
+    return json.dumps(dict(args=args, model=config.get("model_config"), world_size=config.get("world_size")),
+                      sort_keys=True)
 
 
 def run_seed(run: dict) -> int:

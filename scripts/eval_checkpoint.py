@@ -10,7 +10,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_gpt2 import NOCAP_VAL_ROW, ValidationSet, evaluate, model_from_checkpoint, pick_device  # noqa: E402
+from train_gpt2 import ValidationSet, evaluate, model_from_checkpoint, pick_device  # noqa: E402
+from train_config import NOCAP_VAL_ROW  # noqa: E402
 from common import ArgumentParser, InputError, report_input_errors  # noqa: E402
 
 

@@ -21,6 +21,7 @@ import sys
 import time
 import warnings
 from collections import defaultdict
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -29,9 +30,8 @@ from torch.autograd import DeviceType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from train_gpt2 import (GPT, MLP, Block, CausalSelfAttention, LatentAttention, MoE, SoftmaxSample,  # noqa: E402
-                        TokenLoader, add_model_flags, check_sampled_softmax, configure_compile,
-                        draw_log_weights, make_optimizer, parse_args, pick_device,
-                        resolve_model_config, synchronize)
+                        TokenLoader, add_model_flags, configure_compile, make_optimizer, parse_args, pick_device,
+                        resolve_model_config, softmax_log_weights, synchronize)
 from common import ArgumentParser, InputError, report_input_errors  # noqa: E402
 
 PARTS = ("embedding", "attention projections", "attention core", "MLP / MoE", "head + loss",
@@ -104,14 +104,14 @@ def training_parts(args, device: torch.device):
     config = resolve_model_config(args)
     torch.manual_seed(0)
     model = GPT(config).to(device)
-    recipe = parse_args(["--model", args.model])
+    recipe = parse_args(["--model", args.model])[1]
     if args.compile:
         configure_compile(recipe.compile_tuning)
     optimizer = make_optimizer(model, recipe, device, args.compile)
     # The recipe's sampled softmax unless --sampled_softmax says otherwise, checked as the trainer checks it.
     if args.sampled_softmax is not None:
-        recipe.sampled_softmax = args.sampled_softmax
-    check_sampled_softmax(recipe, config)
+        recipe = replace(recipe, sampled_softmax=args.sampled_softmax)
+    recipe = recipe.check_sampled_softmax(config)
     B, T = args.batch_size, args.sequence_length
     loader = TokenLoader(args.input_bin, B, T, 0, 1, config.vocab_size, device) if args.input_bin else None
 
@@ -131,7 +131,7 @@ def sample_draw(recipe, vocab: int, micro_tokens: int, loader: TokenLoader | Non
     if not columns:
         return lambda: None
     groups = (micro_tokens // group,) if group and micro_tokens % group == 0 and micro_tokens > group else ()
-    log_weights = draw_log_weights(recipe, loader) if loader else torch.zeros(vocab, device=device)
+    log_weights = softmax_log_weights(loader) if loader else torch.zeros(vocab, device=device)
     return lambda: SoftmaxSample(columns, torch.rand(groups + (vocab,), device=device), log_weights)
 
 

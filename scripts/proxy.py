@@ -34,7 +34,8 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from data.shards import check_output_file  # noqa: E402
 from model_variants import RECIPES, get_variant  # noqa: E402
-from train_gpt2 import SCHEDULE_STEP_FLAGS, parse_args, read_shard_header, resolve_grad_accumulation  # noqa: E402
+from train_gpt2 import SCHEDULE_STEP_FLAGS, parse_args, read_shard_header  # noqa: E402
+from train_config import NOCAP_VAL_ROW, TrainConfig  # noqa: E402
 from schedule import overtime_applies  # noqa: E402
 from run_dir import FINISHED_STATUSES, read_json  # noqa: E402
 from common import ArgumentParser, InputError  # noqa: E402
@@ -133,16 +134,16 @@ class Spec:
         return self.steps * self.tokens_per_step
 
 
-def trainer_args(model: str, flags: list[str]):
-    """The trainer's view of a command line (recipe defaults applied); bad flags become InputError."""
+def trainer_args(model: str, flags: list[str]) -> TrainConfig:
+    """The trainer's training config of a command line (recipe defaults applied); bad flags become InputError."""
     try:
-        return parse_args(["--model", model, *flags])
+        return parse_args(["--model", model, *flags])[1]
     except SystemExit:  # argparse already printed its error line
         raise InputError(f"{model}: the flags {' '.join(flags)!r} are not train_gpt2.py flags") from None
 
 
-def tokens_per_step(args) -> int:
-    return args.batch_size * args.sequence_length * resolve_grad_accumulation(args, world_size=1)
+def tokens_per_step(args: TrainConfig) -> int:
+    return args.batch_size * args.sequence_length * args.accumulation(world_size=1)
 
 
 def parse_spec(protocol: Protocol, text: str, common: list[str] = ()) -> Spec:
@@ -233,7 +234,7 @@ def shards_ready(protocol: Protocol, spec: Spec, data: str) -> bool:
     args = trainer_args(spec.model, spec.flags)
     window = args.batch_size * args.sequence_length
     steps = spec.steps + (args.overtime_steps if overtime_applies(args) else 0)
-    needed = steps * resolve_grad_accumulation(args, world_size=1)
+    needed = steps * args.accumulation(world_size=1)
     for shard in protocol.train_shards:
         path = os.path.join(data, shard)
         if not os.path.exists(path):
@@ -271,21 +272,20 @@ def score_checks(protocol: Protocol, run_dir: str, data: str, gpu: str | None = 
     NoCap's 1024-token rows."""
     import torch
     from eval_checkpoint import score
-    from train_gpt2 import (NOCAP_VAL_ROW, model_from_checkpoint, nocap_rows_batch, pick_device, scores_nocap_rows,
-                            val_row_length)
+    from train_gpt2 import model_from_checkpoint, pick_device
     checkpoints = sorted(f for f in os.listdir(run_dir) if f.startswith("ckpt_") and f.endswith(".pt"))
     present = [(shard, tokens) for shard, tokens in protocol.checks if os.path.exists(os.path.join(data, shard))]
     if not checkpoints or not present:
         return {}
-    run_args = argparse.Namespace(**read_json(os.path.join(run_dir, "config.json"))["args"])
+    run_args = TrainConfig.recorded(read_json(os.path.join(run_dir, "config.json"))["args"])
     model, _ = model_from_checkpoint(os.path.join(run_dir, checkpoints[-1]), pick_device("auto", visible_index(gpu)))
     # The rows the run's own validation used (NoCap's 1024 tokens unless it asked otherwise), whatever its
     # training rows: a run trained on longer rows is scored on the checks like every other.
-    scores = {shard: score(model, os.path.join(data, shard), tokens, run_args.val_batch_size, val_row_length(run_args))
+    scores = {shard: score(model, os.path.join(data, shard), tokens, run_args.val_batch_size, run_args.val_row_length)
               for shard, tokens in present}
-    if scores_nocap_rows(run_args):
+    if run_args.scores_nocap_rows:
         scores.update({f"{shard}@{NOCAP_VAL_ROW}": score(model, os.path.join(data, shard), tokens,
-                                                         nocap_rows_batch(run_args), NOCAP_VAL_ROW)
+                                                         run_args.nocap_rows_batch, NOCAP_VAL_ROW)
                        for shard, tokens in present})
     del model
     torch.cuda.empty_cache()

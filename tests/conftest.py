@@ -122,6 +122,25 @@ def count_compiles(monkeypatch) -> tuple:
     return counter, after_warm_up
 
 
+def error_line(capsys, argv) -> str:
+    """The trainer's one `error:` line for argv, which must exit with code 2."""
+    assert train_gpt2.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    return err[0]
+
+
+def train_flags(*argv: str):
+    """The training config of a trainer command line (its --model's recipe applied), unchecked."""
+    return train_gpt2.parse_args(list(argv))[1]
+
+
+def checked_flags(*argv: str):
+    """The training config of a trainer command line, checked against its model as a run checks it."""
+    config, flags = train_gpt2.parse_args(list(argv))
+    return flags.checked(config)
+
+
 def make_schedule(**flags):
     """A Schedule of NoCap's shape with the given flags changed (tests of the schedule without a parser)."""
     from schedule import Schedule

@@ -135,7 +135,7 @@ def test_an_evaluation_cut_short_by_a_signal_records_nothing_and_is_not_scored_a
     monkeypatch.setattr(train_gpt2, "evaluate", lambda model, val, world, dtype, interrupted: precisions.append(dtype))
     schedule = make_schedule(val_loss_every="auto", val_dtype="fp32", target_val_loss=3.0)
     schedule.evaluations.append((10, 5.0))
-    run = SimpleNamespace(args=SimpleNamespace(val_dtype="fp32", target_val_loss=3.0), schedule=schedule,
+    run = SimpleNamespace(flags=SimpleNamespace(val_dtype="fp32", target_val_loss=3.0), schedule=schedule,
                           eval_model=None, val=None, env=SimpleNamespace(world_size=1), scouted=False)
     assert train_gpt2.evaluate_and_record(run, 20, stop=None, judged=judged)[0] is None  # no log written to
     assert precisions == (["fp32"] if judged else ["bf16"]) and schedule.evaluations == [(10, 5.0)]

@@ -14,7 +14,7 @@ from test_scripts import run_stubbed, stub_repo
 sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check  # noqa: E402
 from proxy import PROTOCOLS, parse_spec  # noqa: E402
-from train_gpt2 import check_run_flags, parse_args  # noqa: E402
+from conftest import checked_flags  # noqa: E402
 
 
 def the_checks(tmp_path, record=None):
@@ -31,8 +31,7 @@ def test_the_scripts_pass_the_trainer_flags_it_accepts(tmp_path):
         assert command[:2] == ["bash", f"scripts/{'baseline' if name == 'baseline' else 'speedrun'}.sh"]
         result, calls = run_stubbed(tmp_path / "stub", path, command[1].split("/")[1], *command[2:], SETUP="0")
         assert result.returncode == 0 and len(calls) == 1, result.stderr  # the trainer alone: nothing set up
-        args = parse_args(calls[0].split()[2:])
-        check_run_flags(args)  # the schedule of a few steps is one the trainer runs
+        args = checked_flags(*calls[0].split()[2:])  # the schedule of a few steps is one the trainer runs
         assert args.memory_cap_gib == 22.0 and args.output_dir == str(tmp_path / "work")
         if name != "baseline":
             assert (args.model, args.lr_schedule, args.val_loss_every) == ("d12_fast", "target", "auto")
@@ -43,7 +42,7 @@ def test_the_scripts_pass_the_trainer_flags_it_accepts(tmp_path):
     for model in ("d12", "d12_fast", "d12_nocap"):  # each P100 form with its checks, under the cap
         command = checks[f"P100 {model}"].command
         spec = parse_spec(PROTOCOLS["P100"], command[command.index("P100") + 1], command[-1].split())
-        check_run_flags(parse_args(["--model", spec.model, *spec.flags]))
+        checked_flags("--model", spec.model, *spec.flags)
         assert "--memory_cap_gib" in command[-1]
     assert "calibrate" not in checks and "calibrate" in the_checks(tmp_path, record=str(tmp_path))
     groups = gpu_check.checks(Namespace(data="d", work="w", record=None, cap_gib=22.0))

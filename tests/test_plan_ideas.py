@@ -8,15 +8,16 @@ import shutil
 import pytest
 import torch
 
-from conftest import REPO, read_metrics, shrink, tiny_run_args, train_losses
+from conftest import REPO, checked_flags, read_metrics, shrink, tiny_run_args, train_flags, train_losses
 from model_variants import D12, TINY
-from train_gpt2 import GPT, blocks_to_drop, build_parser, main, model_from_checkpoint, val_row_length, warm_up_steps
+from plan_ideas import blocks_to_drop
+from train_gpt2 import GPT, main, micro_batch_seed, model_from_checkpoint, warm_up_steps
 from schedule import Schedule, lr_scale
 from optimizers import Lion
 
 
 def parse(*flags) -> Namespace:
-    return build_parser().parse_args(list(flags))
+    return train_flags(*flags)
 
 
 # --- the sequence-length curriculum --------------------------------------------------------------------------
@@ -81,14 +82,15 @@ def test_layerdrop_skips_each_block_but_the_first_with_the_scheduled_probability
     args = parse("--layerdrop", "0.4", "--num_iterations", "125")  # falls to 0 at 80% of the run: step 100
     assert [Schedule.of(args, D12.window).at(step).layerdrop for step in (0, 25, 50, 99, 100, 5000)] == pytest.approx(
         [0.4, 0.3, 0.2, 0.004, 0.0, 0.0])
-    draws = [blocks_to_drop(0, micro, 0, 0.4, n_layer=12) for micro in range(3000)]
+    draws = [blocks_to_drop(micro_batch_seed(0, 0, micro), 0.4, 12) for micro in range(3000)]
     assert not any(0 in drop for drop in draws)  # the first block always runs
     per_block = [sum(i in drop for drop in draws) / len(draws) for i in range(1, 12)]
     assert all(abs(rate - 0.4) < 0.04 for rate in per_block), per_block  # 0.4 +- 4.5 standard errors
-    late = [blocks_to_drop(50, micro, 0, 0.2, n_layer=12) for micro in range(3000)]
+    late = [blocks_to_drop(micro_batch_seed(0, 50, micro), 0.2, 12) for micro in range(3000)]
     assert sum(map(len, late)) / (3000 * 11) == pytest.approx(0.2, abs=0.01)
-    assert all(blocks_to_drop(100, micro, 0, 0.0, 12) == () for micro in range(50))  # full depth from there
-    assert blocks_to_drop(7, 1, 0, 0.4, 12) == blocks_to_drop(7, 1, 0, 0.4, 12)  # the same on every process, on resume
+    assert all(blocks_to_drop(micro_batch_seed(0, 100, micro), 0.0, 12) == () for micro in range(50))  # full depth
+    seed = micro_batch_seed(0, 7, 1)
+    assert blocks_to_drop(seed, 0.4, 12) == blocks_to_drop(seed, 0.4, 12)  # the same on every process, on resume
 
 
 def test_a_dropped_block_passes_the_stream_through_in_training_only():
@@ -123,7 +125,8 @@ def test_a_layerdrop_run_skips_the_drawn_blocks(tmp_path, shards, capsys, monkey
     assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 0
     capsys.readouterr()
     args = parse(*extra, "--num_iterations", "6")  # the tiny run's length: LayerDrop until step 5
-    expected = sum(4 - len(blocks_to_drop(step, micro, args.seed, Schedule.of(args, D12.window).at(step).layerdrop, 4))
+    schedule = Schedule.of(args, D12.window)
+    expected = sum(4 - len(blocks_to_drop(micro_batch_seed(args.seed, step, micro), schedule.at(step).layerdrop, 4))
                    for step in range(6) for micro in range(2))
     assert len(calls) == expected < 6 * 2 * 4
 
@@ -239,9 +242,9 @@ def test_a_missing_torchao_is_one_line(tmp_path, shards, capsys, monkeypatch):
 # --- validation rows ------------------------------------------------------------------------------------------
 
 def test_validation_rows_stay_at_nocaps_1024_when_training_rows_grow(tmp_path, shards, capsys, monkeypatch):
-    assert val_row_length(parse("--sequence_length", "4096")) == 1024
-    assert val_row_length(parse("--sequence_length", "256")) == 256
-    assert val_row_length(parse("--sequence_length", "4096", "--val_sequence_length", "2048")) == 2048
+    assert parse("--sequence_length", "4096").val_row_length == 1024
+    assert parse("--sequence_length", "256").val_row_length == 256
+    assert parse("--sequence_length", "4096", "--val_sequence_length", "2048").val_row_length == 2048
     import train_gpt2
     rows = []
     init = train_gpt2.ValidationSet.__init__
@@ -261,8 +264,8 @@ def test_longer_validation_rows_decide_the_target_and_nocaps_rows_are_scored_bes
     import sys
     sys.path.insert(0, str(REPO / "scripts"))
     from eval_checkpoint import score
-    assert val_row_length(parse("--sequence_length", "4096", "--val_sequence_length", "train")) == 4096
-    assert val_row_length(parse("--sequence_length", "512", "--val_sequence_length", "train")) == 512
+    assert parse("--sequence_length", "4096", "--val_sequence_length", "train").val_row_length == 4096
+    assert parse("--sequence_length", "512", "--val_sequence_length", "train").val_row_length == 512
     # Trained on 32-token rows, validated on 2048-token rows of the first 4,096 validation tokens.
     assert main(tiny_run_args(shards, tmp_path, "long", "--block_size", "2048", "--val_sequence_length", "2048",
                               "--val_batch_size", "1", "--val_tokens", "4096")) == 0
@@ -322,13 +325,11 @@ def test_nocaps_rows_are_scored_once_where_the_run_ends(tmp_path, shards, target
 
 def test_d12_nocap_is_d12_swiglu_with_small_steps_a_linear_decay_to_zero_and_the_curriculum():
     from model_variants import VARIANTS
-    from train_gpt2 import check_run_flags, parse_args, resolve_grad_accumulation
-    args = parse_args(["--model", "d12_nocap"])
-    check_run_flags(args)  # its recipe is a valid run
+    args = checked_flags("--model", "d12_nocap")  # its recipe is a valid run
     assert VARIANTS["d12_nocap"] == VARIANTS["d12_swiglu"]
     assert (args.optimizer, args.learning_rate, args.lr_schedule) == ("adamw", 8e-4, "trapezoid")
     assert args.num_iterations * args.total_batch_size == 4768 * 524_288  # NoCap's baseline tokens
-    assert resolve_grad_accumulation(args, 1) == 2  # two micro-batches of 16 rows of 1024 tokens
+    assert args.accumulation(1) == 2  # two micro-batches of 16 rows of 1024 tokens
     rows = [Schedule.of(args, D12.window).at(step).row_length for step in (0, 7628, 7629, 15257, 15258)]
     assert rows == [256, 256, 512, 512, 1024]
     lr = [lr_scale(step, args) for step in (0, 3813, 3814, 40_051, 76_287)]

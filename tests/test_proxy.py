@@ -5,6 +5,7 @@ import json
 import lzma
 import os
 import sys
+from dataclasses import asdict
 
 import pytest
 
@@ -18,7 +19,7 @@ from common import InputError  # noqa: E402
 
 def trainer_view(protocol: str, spec: str):
     parsed = proxy.parse_spec(proxy.PROTOCOLS[protocol], spec)
-    return parsed, vars(parse_args(["--model", parsed.model, *parsed.flags]))
+    return parsed, asdict(parse_args(["--model", parsed.model, *parsed.flags])[1])
 
 
 def test_p100_reference_is_nocaps_shape_at_131072_tokens_per_step():
@@ -38,7 +39,7 @@ def test_p40_schedules_are_the_reference_run_and_d12_fasts_measured_form():
     # d12_fast's P40 run: the flags of the P40 measurements in docs/RESULTS.md, with the recipe's window warmup
     # and its cooldown over the whole run.
     _, fast = trainer_view("P40", "d12_fast")
-    measured = dict(optimizer="muon", muon_lr=0.03, muon_momentum_warmup=60, learning_rate=0.008, embed_lr=0.3,
+    measured = dict(optimizer="muon", muon_lr=0.03, muon_momentum_warmup=60, learning_rate=0.008,
                     scalar_lr=0.04, weight_decay=0.0, grad_accumulation_steps=1, num_iterations=200,
                     warmup_iters=0, warmdown_iters=200, lr_floor=0.1, val_loss_every=20, total_batch_size=None,
                     batch_size=32, sequence_length=1024, val_batch_size=16, window_iters=131)

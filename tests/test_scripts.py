@@ -141,7 +141,7 @@ def test_speedrun_sh_fetches_the_shards_the_recipe_and_its_overtime_read(tmp_pat
 
 
 def test_baseline_sh_trains_d12_with_nocaps_flags_and_refuses_another_model(tmp_path):
-    from train_gpt2 import check_run_flags, parse_args
+    from conftest import checked_flags
     path = stub_repo(tmp_path, "baseline.sh", "train.sh")
     result, (setup, launch) = run_stubbed(tmp_path, path, "baseline.sh", "--run_name", "b")
     assert result.returncode == 0, result.stderr
@@ -149,8 +149,7 @@ def test_baseline_sh_trains_d12_with_nocaps_flags_and_refuses_another_model(tmp_
                                                         "target --val_loss_every auto --lr_floor 0.1 "
                                                         "--overtime_steps 1192 --run_name b")
     # NoCap's steps are the longest run; the shards hold them and the overtime after them.
-    args = parse_args(launch.split()[2:])
-    check_run_flags(args)
+    args = checked_flags(*launch.split()[2:])
     rows = (args.num_iterations + args.overtime_steps) * args.batch_size * args.grad_accumulation_steps
     tokens = rows * args.sequence_length
     assert setup == f"setup {math.ceil(tokens / 100e6)}" == "setup 32"

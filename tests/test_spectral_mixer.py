@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from model_variants import D12, TINY, VARIANTS, with_overrides
-from train_gpt2 import GPT, SpectralMixer, flops_per_token
+from plan_ideas import SpectralMixer
+from train_gpt2 import GPT, flops_per_token
 
 HYBRID = with_overrides(TINY, vocab_size=64, n_layer=4, window_pattern="GGSS", block_size=32)
 

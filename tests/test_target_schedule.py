@@ -60,9 +60,8 @@ def test_the_warmdown_is_at_most_as_long_as_the_constant_phase_before_it():
 
 
 def test_d12_fasts_recipe_sizes_itself_from_a_half_run_warmdown():
-    from train_gpt2 import check_run_flags, parse_args
-    args = parse_args(["--model", "d12_fast", "--lr_schedule", "target"])
-    check_run_flags(args)  # its whole-run decay is a valid target schedule: half of it
+    from conftest import checked_flags
+    args = checked_flags("--model", "d12_fast", "--lr_schedule", "target")  # its whole-run decay: half of it
     assert (args.cooldown_drop, warmdown_steps(2000, args)) == (0.3, 2000)
 
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from conftest import read_metrics, tiny_run_args
 from model_variants import TINY, with_overrides
-from train_gpt2 import CONSISTENCY_WEIGHT, GPT, StepMeter, flops_per_token, main, symmetric_kl, tokens_to_keep
+from plan_ideas import CONSISTENCY_WEIGHT, symmetric_kl, tokens_to_keep
+from train_gpt2 import GPT, StepMeter, flops_per_token, main, micro_batch_seed
 
 
 def test_symmetric_kl_is_the_mean_of_both_kl_divergences():
@@ -44,12 +45,12 @@ def test_the_objective_is_r_drop_over_a_clean_pass_and_one_with_dropped_tokens_r
 
 
 def test_the_masks_drop_the_asked_fraction_and_repeat_for_a_resumed_run():
-    args, env = Namespace(token_dropout=0.15, seed=0), Namespace(rank=0, device=torch.device("cpu"))
-    keep = tokens_to_keep(3, 1, args, env, torch.Size((16, 1024)))
+    cpu, shape = torch.device("cpu"), torch.Size((16, 1024))
+    keep = tokens_to_keep(micro_batch_seed(0, 3, 1), 0.15, shape, cpu)
     assert keep.dtype == torch.bool and abs(1 - keep.float().mean() - 0.15) < 0.01
-    assert torch.equal(keep, tokens_to_keep(3, 1, args, env, torch.Size((16, 1024))))
-    assert not torch.equal(keep, tokens_to_keep(4, 1, args, env, torch.Size((16, 1024))))
-    assert tokens_to_keep(3, 1, Namespace(token_dropout=0.0, seed=0), env, torch.Size((16, 1024))) is None
+    assert torch.equal(keep, tokens_to_keep(micro_batch_seed(0, 3, 1), 0.15, shape, cpu))
+    assert not torch.equal(keep, tokens_to_keep(micro_batch_seed(0, 4, 1), 0.15, shape, cpu))
+    assert tokens_to_keep(micro_batch_seed(0, 3, 1), 0.0, shape, cpu) is None
 
 
 def test_a_token_dropout_run_logs_both_passes_and_counts_their_work(tmp_path, shards, capsys):

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 import train_gpt2
-from conftest import count_compiles, make_shards, read_metrics, tiny_run_args
+from conftest import count_compiles, make_shards, read_metrics, tiny_run_args, train_flags
 from model_variants import TINY, VARIANTS, with_overrides
-from train_gpt2 import GPT, build_parser, main, softmax_sample, warm_up_steps
-from schedule import Schedule
+from train_gpt2 import GPT, main, softmax_sample, warm_up_steps
+from schedule import Schedule, lr_scale
 
 
 def parse(*flags) -> Namespace:
-    return build_parser().parse_args(list(flags))
+    return train_flags(*flags)
 
 
 def record_training_passes(monkeypatch, pick) -> list:
@@ -253,3 +253,17 @@ def test_a_sample_of_the_whole_vocabulary_trains_the_full_softmax_with_a_notice(
     assert seen and not any(seen)
     args = json.loads((tmp_path / "run" / "config.json").read_text())["args"]
     assert args["sampled_softmax"] == 0  # the config says what trained
+
+
+def test_lr_schedule_is_nocaps():
+    args = Namespace(lr_schedule="trapezoid", warmup_iters=4, warmdown_iters=5, num_iterations=20, lr_floor=0.0)
+    lrs = [lr_scale(s, args) for s in range(20)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4:15] == [1.0] * 11
+    assert lrs[15:] == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
+
+
+def test_lr_floor_ends_the_warmdown_above_zero():
+    args = Namespace(lr_schedule="trapezoid", warmup_iters=0, warmdown_iters=4, num_iterations=8, lr_floor=0.1)
+    assert [lr_scale(s, args) for s in range(8)] == pytest.approx([1, 1, 1, 1, 1, 0.775, 0.55, 0.325])
+    assert lr_scale(8, args) == pytest.approx(0.1)  # where the last step would land

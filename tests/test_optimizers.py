@@ -1,0 +1,233 @@
+"""The optimizers: Muon's parameter groups, the batched update against torch's, its refinements (NorMuon, cautious
+weight decay), its momentum warmup, and a Muon run that learns."""
+
+import pytest
+import torch
+
+from conftest import make_shards, tiny_run_args, train_flags, train_losses
+from train_gpt2 import main
+
+
+def give_same_grads(params, twins, missing: int | None = None):
+    """The same random gradient on each parameter and its twin; none on either at index `missing`."""
+    for i, (p, q) in enumerate(zip(params, twins)):
+        grad = None if i == missing else torch.randn(p.shape)
+        p.grad, q.grad = grad, None if grad is None else grad.clone()
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    from model_variants import TINY, with_overrides
+    from train_gpt2 import GPT, make_optimizer
+    model = GPT(with_overrides(TINY, vocab_size=64, moe_experts=2, moe_topk=1, mtp_k=1))
+    args = train_flags("--optimizer", "muon", "--muon_lr", "0.05", "--learning_rate", "0.003")
+    muon, adamw = make_optimizer(model, args, torch.device("cpu")).optimizers
+    muon_names = {n for n, p in model.named_parameters() if any(p is q for q in muon.param_groups[0]["params"])}
+    assert muon_names == {"transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.weight",
+                          "transformer.h.1.attn.c_attn.weight", "transformer.h.1.attn.c_proj.weight",
+                          "mtp_proj.0.weight"}
+    adamw_ids = {id(p) for group in adamw.param_groups for p in group["params"]}
+    assert {id(p) for p in model.parameters()} == adamw_ids | {id(p) for p in muon.param_groups[0]["params"]}
+    assert id(model.lm_head.weight) in adamw_ids and id(model.transformer.h[1].mlp.router.weight) in adamw_ids
+    assert (muon.param_groups[0]["lr"], adamw.param_groups[0]["lr"]) == (0.05, 0.003)
+    assert muon.normuon_beta2 == 0.0
+    refined = train_flags("--optimizer", "muon", "--normuon_beta2", "0.9")
+    muon = make_optimizer(model, refined, torch.device("cpu")).optimizers[0]
+    assert muon.normuon_beta2 == 0.9
+    # Cautious decay takes Muon's matrices from --weight_decay, which AdamW keeps.
+    cautious = train_flags("--optimizer", "muon", "--cautious_weight_decay", "1.2",
+                                          "--weight_decay", "0.1")
+    muon, adamw = make_optimizer(model, cautious, torch.device("cpu")).optimizers
+    assert (muon.cautious, muon.param_groups[0]["weight_decay"], adamw.param_groups[0]["weight_decay"]) == (
+        True, 1.2, 0.1)
+    assert not make_optimizer(model, args, torch.device("cpu")).optimizers[0].cautious
+
+
+def test_muon_recipe_gives_embeddings_and_scalars_their_own_adamw_groups():
+    from model_variants import TINY, with_overrides
+    from train_gpt2 import GPT, make_optimizer
+    model = GPT(with_overrides(TINY, vocab_size=64, x0_mix=True, value_residual=True, unet_skips=True,
+                               value_embeds=1))
+    args = train_flags("--optimizer", "muon", "--learning_rate", "0.003", "--embed_lr", "0.3",
+                                      "--scalar_lr", "0.04", "--weight_decay", "0.1")
+    groups = make_optimizer(model, args, torch.device("cpu")).optimizers[1].param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_lr = {g["lr"]: ({names[id(p)] for p in g["params"]}, g["weight_decay"]) for g in groups}
+    assert by_lr[0.003] == ({"transformer.wte.weight"}, 0.1)  # the tied head, named once
+    assert by_lr[0.3] == ({"value_embeds.0.weight"}, 0.1)
+    assert by_lr[0.04] == ({"skip_weights", "transformer.h.0.x_mix", "transformer.h.1.x_mix",
+                            "transformer.h.1.attn.v_mix", "transformer.h.0.attn.ve_mix", "transformer.h.1.attn.ve_mix"},
+                           0.0)
+    # Defaults: every AdamW group at --learning_rate; the tied embedding is the head and stays in its group.
+    tied = GPT(with_overrides(TINY, vocab_size=64))
+    args = train_flags("--optimizer", "muon", "--learning_rate", "0.003", "--embed_lr", "0.3")
+    assert [g["lr"] for g in make_optimizer(tied, args, torch.device("cpu")).optimizers[1].param_groups] == [0.003]
+    frozen = train_flags("--optimizer", "muon", "--embed_lr", "0")  # 0 freezes, not "default"
+    assert 0.0 in [g["lr"] for g in make_optimizer(model, frozen, torch.device("cpu")).optimizers[1].param_groups]
+
+
+def test_muon_updates_are_orthogonalized():
+    from optimizers import Optimizers
+    w = torch.nn.Parameter(torch.zeros(32, 64))
+    opt = Optimizers([torch.optim.Muon([w], lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False)])
+    w.grad = torch.randn(32, 64) @ torch.diag(torch.logspace(0, 3, 64))  # badly conditioned gradient
+    opt.step()
+    singular = torch.linalg.svdvals(w.detach())
+    assert singular.max() / singular.min() < 2.0  # Newton-Schulz flattens a 1000x spread of scales
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_batched_muon_matches_torch_muon(nesterov):
+    """Same updates as torch.optim.Muon, step after step, for square, wide and tall matrices, several of
+    one shape, two groups with their own lr, momentum and weight decay, and a parameter without a grad."""
+    from optimizers import BatchedMuon
+    torch.manual_seed(0)
+    shapes = [(48, 48), (48, 48), (32, 96), (32, 96), (96, 32), (40, 24)]
+    start = [torch.randn(shape) for shape in shapes]
+    ours = [torch.nn.Parameter(w.clone()) for w in start]
+    ref = [torch.nn.Parameter(w.clone()) for w in start]
+
+    def groups(params):
+        return [dict(params=params[:3], lr=0.05, momentum=0.9, weight_decay=0.1),
+                dict(params=params[3:], lr=0.02, momentum=0.95, weight_decay=0.0)]
+    opt = BatchedMuon(groups(ours), nesterov=nesterov)
+    ref_opt = torch.optim.Muon(groups(ref), nesterov=nesterov)
+    for step in range(4):
+        give_same_grads(ours, ref, missing=5 if step == 1 else None)
+        opt.step()
+        ref_opt.step()
+        for p, q in zip(ours, ref):
+            # bf16 Newton-Schulz: a batched matmul may round differently from one matrix at a time
+            torch.testing.assert_close(p.detach(), q.detach(), atol=2e-3, rtol=0)
+            torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
+    assert opt.state_dict()["state"].keys() == ref_opt.state_dict()["state"].keys()
+
+
+@pytest.mark.parametrize("refinements", [{}, dict(normuon_beta2=0.95), dict(cautious=True)])
+def test_compiled_batched_muon_equals_eager_with_one_graph_per_shape(refinements, monkeypatch):
+    """Compiled (aot_eager: the same graph inductor would get), the update matches eager step after step while
+    lr and momentum change, builds one graph per shape and no more; a shape with a matrix left without a
+    gradient (LayerDrop) is updated eagerly, so it builds no graph either."""
+    import functools
+    import torch._dynamo.testing
+    import train_gpt2
+    from optimizers import BatchedMuon
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    shapes = [(48, 96), (48, 96), (96, 48), (96, 48), (96, 48), (40, 40)]
+    start = [torch.randn(shape) for shape in shapes]
+    eager = [torch.nn.Parameter(w.clone()) for w in start]
+    compiled = [torch.nn.Parameter(w.clone()) for w in start]
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(train_gpt2.torch, "compile", functools.partial(torch.compile, backend=counter))
+    eager_opt = BatchedMuon(eager, lr=0.05, weight_decay=0.1, **refinements)
+    compiled_opt = BatchedMuon(compiled, lr=0.05, weight_decay=0.1, compiled=True, **refinements)
+    for step in range(5):
+        for opt in (eager_opt, compiled_opt):
+            opt.param_groups[0].update(lr=0.05 * (1 - step / 10), momentum=0.85 + 0.02 * step)
+        give_same_grads(eager, compiled, missing=4 if step == 3 else None)
+        eager_opt.step()
+        compiled_opt.step()
+        for p, q in zip(eager, compiled):
+            torch.testing.assert_close(q.detach(), p.detach())
+            torch.testing.assert_close(compiled_opt.state[q], eager_opt.state[p])
+    assert counter.frame_count == 3
+    assert all(("second_moment" in eager_opt.state[p]) == ("normuon_beta2" in refinements) for p in eager)
+
+
+def test_cautious_weight_decay_shrinks_only_weights_the_update_shrinks():
+    """Beside a twin without decay (the same update), each weight whose update has its sign loses exactly
+    lr * decay * step_size of itself, where step_size is lr * sqrt(max(1, rows / cols)); every other weight moves
+    as the twin's. Plain decay, for contrast, shrinks them all."""
+    from optimizers import BatchedMuon
+    torch.manual_seed(0)
+    shapes = [(96, 32), (32, 96), (48, 48)]
+    start = [torch.randn(shape) for shape in shapes]
+    twins = {kind: [torch.nn.Parameter(w.clone()) for w in start] for kind in ("none", "cautious", "plain")}
+    lr, decay = 0.05, 1.2
+    settings = dict(lr=lr, momentum=0.0, nesterov=False)
+    opts = [BatchedMuon(twins["none"], weight_decay=0.0, **settings),
+            BatchedMuon(twins["cautious"], weight_decay=decay, cautious=True, **settings),
+            BatchedMuon(twins["plain"], weight_decay=decay, **settings)]
+    grads = [torch.randn(shape) for shape in shapes]
+    for params, opt in zip(twins.values(), opts):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    for w, none, cautious, plain in zip(start, twins["none"], twins["cautious"], twins["plain"]):
+        update = w - none.detach()  # step_size * the orthogonalized update
+        shrinks = update * w >= 0
+        assert 0.3 < shrinks.float().mean() < 0.7
+        rate = lr * decay * lr * max(1, w.size(0) / w.size(1)) ** 0.5
+        torch.testing.assert_close(cautious.detach(), torch.where(shrinks, none.detach() - rate * w, none.detach()))
+        torch.testing.assert_close(plain.detach(), none.detach() - lr * decay * w)
+
+
+def test_normuon_evens_out_rows_and_keeps_the_updates_norm():
+    """From zero weights, without momentum or weight decay, the step is the update itself. NorMuon's first
+    update has rows (a wide matrix: columns) of one length and Muon's Frobenius norm; its second divides each
+    row of Muon's update by the root of the running mean square (0.95 * first + 0.05 * second)."""
+    from optimizers import BatchedMuon
+    torch.manual_seed(0)
+    shapes = [(96, 32), (32, 96), (48, 48)]
+    plain = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    evened = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    settings = dict(lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0)
+    plain_opt, evened_opt = BatchedMuon(plain, **settings), BatchedMuon(evened, normuon_beta2=0.95, **settings)
+
+    def steps():
+        before = [p.detach().clone() for p in plain + evened]
+        give_same_grads(plain, evened)
+        plain_opt.step()
+        evened_opt.step()
+        moved = [b - p.detach() for b, p in zip(before, plain + evened)]
+        return moved[:len(shapes)], moved[len(shapes):]
+
+    def rows(m):  # the side NorMuon evens out, as rows
+        return m.mT if m.size(0) < m.size(1) else m
+
+    first_plain, first = steps()
+    for muon, norm in zip(first_plain, first):
+        lengths = rows(norm).norm(dim=1)
+        torch.testing.assert_close(lengths, lengths.mean().expand_as(lengths), rtol=1e-2, atol=0)
+        torch.testing.assert_close(norm.norm(), muon.norm(), rtol=1e-2, atol=0)
+    second_plain, second = steps()
+    for p, muon_1, muon_2, norm_2 in zip(evened, first_plain, second_plain, second):
+        scale = max(1, p.size(0) / p.size(1)) ** 0.5  # the lr scale of tall matrices
+        mean_square = 0.95 * 0.05 * rows(muon_1 / scale).square().mean(1) + 0.05 * rows(muon_2 / scale).square().mean(1)
+        torch.testing.assert_close(evened_opt.state[p]["second_moment"].flatten(), mean_square, rtol=2e-2, atol=0)
+        ratio = rows(norm_2) / rows(muon_2)  # one number per row, proportional to 1 / sqrt(mean_square)
+        expected = mean_square.rsqrt()
+        expected = expected * (ratio.mean(1) / expected).mean()
+        torch.testing.assert_close(ratio, expected[:, None].expand_as(ratio), rtol=3e-2, atol=0)
+        torch.testing.assert_close(norm_2.norm(), muon_2.norm(), rtol=1e-2, atol=0)
+
+
+def test_muon_run_learns(tmp_path, capsys):
+    cyclic = make_shards(tmp_path / "cyc", cyclic=True)
+    assert main(tiny_run_args(cyclic, tmp_path, "muon", "--optimizer", "muon", "--num_iterations", "12")) == 0
+    losses = train_losses(tmp_path / "muon")
+    assert losses[12] < losses[1] - 1.0
+
+
+def test_muon_momentum_warms_up():
+    from model_variants import D12
+    from schedule import Schedule
+    args = train_flags("--muon_momentum_warmup", "4")
+    assert [Schedule.of(args, D12.window).at(s).muon_momentum for s in range(6)] == pytest.approx(
+        [0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
+    assert Schedule.of(train_flags(), D12.window).at(0).muon_momentum == 0.95
+
+
+def test_momentum_reaches_the_muon_optimizer(tmp_path, shards, capsys, monkeypatch):
+    import train_gpt2
+    seen = []
+    original = train_gpt2.Optimizers.step
+
+    def spy(self):
+        seen.append([g["momentum"] for opt in self.optimizers if isinstance(opt, torch.optim.Muon)
+                     for g in opt.param_groups][0])
+        original(self)
+    monkeypatch.setattr(train_gpt2.Optimizers, "step", spy)
+    assert main(tiny_run_args(shards, tmp_path, "m", "--optimizer", "muon", "--muon_momentum_warmup", "4",
+                              "--num_iterations", "6")) == 0
+    assert seen == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
