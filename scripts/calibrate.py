@@ -15,8 +15,10 @@ what a run on other data must change: the data globs, the validation tokens (the
 of steps for --budget (the budget / the record's tokens per step) with every setting counted in steps re-sized
 to keep its fraction of the run (warmdown, cooldown, Muon's momentum warmup), the evaluation interval (16 a run),
 one GPU taking the 8-GPU step by gradient accumulation, and reading the shards again where the budget needs
-several passes; and, for compile time only, no coordinate-descent tuning of the kernels. Everything else (the
-model, optimizers, schedule shapes, the record's own validation: its row length, its masking) is the record's.
+several passes; and, for compile time only, no coordinate-descent tuning of the kernels. What a record needs
+beyond that (FlashAttention 3 on torch: scripts/varlen_attention.py; its loader's document slots) is a named edit
+in RECORDS. Everything else (the model, optimizers, schedule shapes, the record's own validation: its row length,
+its masking) is the record's.
 `run` prepares it in WORK/<record>/<budget>/, runs it under torchrun and turns its log into a run directory
 (metrics.jsonl, config.json, summary.json) that compare_runs.py and this script's `table` read beside the
 trainer's.
@@ -43,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from compare_runs import load_run  # noqa: E402
 from proxy import PROTOCOLS, parse_tokens  # noqa: E402
 from data.shards import check_output_file  # noqa: E402
-from train_gpt2 import NOCAP_TARGET_VAL_LOSS, NOCAP_VAL_TOKENS  # noqa: E402
+from train_config import NOCAP_TARGET_VAL_LOSS, NOCAP_VAL_TOKENS  # noqa: E402
 from run_dir import atomic_write_text  # noqa: E402
 from common import ArgumentParser, InputError, need_package, report_input_errors  # noqa: E402
 
@@ -58,14 +60,16 @@ class Record:
     tokens_per_step: int  # on FineWeb (8 GPUs); one GPU accumulates to the same step
     data: tuple[str, str]  # the Hyperparameters fields holding the train and val globs
     step_fields: tuple[str, ...] = ()  # Hyperparameters counted in steps: re-sized with the run
-    one_gpu: dict = field(default_factory=dict)  # Hyperparameters that make one GPU take the 8-GPU step
+    settings: dict = field(default_factory=dict)  # Hyperparameters for one GPU or the proxy's validation tokens
     edits: tuple[tuple[str, str], ...] = ()  # exact text replacements (each must match once)
 
 
 # The records of the calibration set, each a whole recipe with public FineWeb logs. Those up to 2024-11-24 accumulate
 # gradients themselves (batch_size / device_batch_size / GPUs micro-batches); 2025-01-04 splits its device batch
-# into micro-batches of max_device_batch_size; 2025-08-23 takes 8 // GPUs steps of accumulation. 2024-12-08 asserts
-# one micro-batch per GPU: its step is made a loop over the 8 of one GPU, each loss divided by 8 as DDP's mean is.
+# into micro-batches of max_device_batch_size, 2025-01-26 into rows of seq_len (one GPU is given the 8 GPUs' batch;
+# both sum the micro-batches' losses, as SoftCap's calibrated runs did); 2025-08-23 takes 8 // GPUs steps of
+# accumulation. 2024-12-08 asserts one micro-batch per GPU: its step is made a loop over the 8 of one GPU, each loss
+# divided by 8 as DDP's mean is.
 ONE_SEQUENCE_PER_GPU_STEP = (
     "    loss = model(x, y, sliding_window=sliding_window_size)\n    loss.backward()\n    del loss\n"
     "    # advance the dataset for the next batch\n    x, y = train_loader.next_batch()\n")
@@ -73,7 +77,22 @@ ACCUMULATED_STEP = (
     "    for _ in range(train_accumulation_steps):\n"
     "        loss = model(x, y, sliding_window=sliding_window_size) / train_accumulation_steps\n"
     "        loss.backward()\n        del loss\n        x, y = train_loader.next_batch()\n")
+CYCLE_SHARDS = ("    file_iter = iter(files)", "    file_iter = __import__('itertools').cycle(files)")  # several passes
+# The FP8 head's backward returns its weight gradient transposed; newer torch checks the strides its fake kernel
+# states, so the fake says so, as the records after 2025-01 write it.
+FP8_GRAD_W_STRIDES = ("    return x_f8.to(torch.bfloat16), w_f8.to(torch.float32)",
+                      "    return x_f8.to(torch.bfloat16), w_f8.T.contiguous().T.to(torch.float32)")
 GLOB_ANY_PATH = "sorted(Path(p) for p in __import__('glob').glob(filename_pattern))"  # Path.glob: relative only
+# The records from 2025-09 on attend with FlashAttention 3's varlen kernel, which the GPU machine lacks: they import
+# scripts/varlen_attention.py (the same attention on torch's FlexAttention), copied beside the record's code. They
+# sum the losses of their 8 // GPUs micro-batches: divided by the 8, one GPU's gradient is the 8 GPUs' mean. Their
+# loaders give each micro-batch a fixed number of document slots sized for FineWeb's documents (~400 tokens): the
+# proxy's are shorter (median ~190), so the slots are sized for documents of 64 tokens. Their validation batch is
+# 2,097,152 tokens: 1,048,576 takes the proxy's validation tokens in one (8 micro-batches of 131,072).
+VARLEN_ON_TORCH = ("from flash_attn_interface import flash_attn_varlen_func",
+                   "from varlen_attention import flash_attn_varlen_func")
+SHORTER_DOCUMENTS = ("num_tokens_local // 300", "num_tokens_local // 64")
+PROXY_VALIDATION_BATCH = {"val_batch_size": NOCAP_VAL_TOKENS}
 RECORDS = {
     "2024-10-14_ModernArch": Record(524_288, ("input_bin", "input_val_bin"), ("warmdown_iters",)),
     "2024-11-10_UNetDoubleLr": Record(524_288, ("input_bin", "input_val_bin"), ("warmdown_iters",)),
@@ -84,9 +103,19 @@ RECORDS = {
         edits=(("assert train_accumulation_steps == 1\n", ""), (ONE_SEQUENCE_PER_GPU_STEP, ACCUMULATED_STEP),
                ("sorted(Path.cwd().glob(filename_pattern))", GLOB_ANY_PATH))),
     "2025-01-04_SoftCap": Record(524_288, ("train_bin", "val_bin")),
+    "2025-01-26_BatchSize": Record(
+        393_216, ("train_files", "val_files"),
+        edits=(("train_batch_size = world_size * args.seq_len", "train_batch_size = 8 * args.seq_len"),
+               ("sorted(Path.cwd().glob(filename_pattern))", GLOB_ANY_PATH), CYCLE_SHARDS,
+               FP8_GRAD_W_STRIDES)),
     "2025-08-23_SparseAttnGate": Record(
         393_216, ("train_files", "val_files"),
-        edits=(("    file_iter = iter(files)", "    file_iter = __import__('itertools').cycle(files)"),)),
+        edits=(CYCLE_SHARDS,)),
+    "2025-09-03_FA3": Record(
+        393_216, ("train_files", "val_files"), settings=PROXY_VALIDATION_BATCH,
+        edits=(VARLEN_ON_TORCH, CYCLE_SHARDS, SHORTER_DOCUMENTS,
+               ("        model(inputs, targets, cum_seqlens, ws).backward()",
+                "        (model(inputs, targets, cum_seqlens, ws) / grad_accum_steps).backward()"))),
 }
 # Muon's momentum warmup, written as a number of steps in the loop: re-sized with the run like the step fields.
 MOMENTUM_WARMUP = re.compile(r"min\(step ?/ ?(\d+), ?1\)")
@@ -210,7 +239,7 @@ def prepared_code(record_dir: str, budget: int, data: str) -> tuple[str, int]:
     code = set_hyperparameter(code, "val_tokens", NOCAP_VAL_TOKENS)
     code = set_hyperparameter(code, "num_iterations", steps)
     code = set_hyperparameter(code, "val_loss_every", max(1, steps // EVALUATIONS))
-    for name, value in record.one_gpu.items():
+    for name, value in record.settings.items():
         code = set_hyperparameter(code, name, value)
     if re.search(r"^\s+run_id\s*=", code[slice(*hyperparameters(code))], re.M):
         code = set_hyperparameter(code, "run_id", "record")  # its log goes to logs/<run_id>.txt: no subfolder
@@ -244,6 +273,8 @@ def run_record(record_dir: str, budget: int, data: str, work: str, gpu: int | No
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)  # where records write their own copy of the log
     script = os.path.join(run_dir, "train_record.py")
     atomic_write_text(script, code)
+    if VARLEN_ON_TORCH[1] in code:
+        shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "varlen_attention.py"), run_dir)
     env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}))
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
         done = subprocess.run([shutil.which("torchrun") or "torchrun", "--standalone", "--nproc_per_node=1", script],

@@ -202,3 +202,38 @@ def test_the_glob_that_replaces_a_records_relative_only_one_reads_absolute_patte
     from pathlib import Path
     files = eval(edit, {"Path": Path, "filename_pattern": str(tmp_path / "mix_train_*.bin")})
     assert files == [tmp_path / "mix_train_000001.bin", tmp_path / "mix_train_000002.bin"]
+
+
+@pytest.mark.parametrize("left", [-1, 7, 0])
+def test_the_varlen_attention_drop_in_attends_within_each_document_and_its_window(left):
+    from varlen_attention import flash_attn_varlen_func
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    lengths = [5, 130, 1, 64, 100]  # a document across a 128-token block, and one of a single token
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = (torch.randn(sum(lengths), 2, 16, dtype=torch.float64) for _ in range(3))  # (tokens, heads, dim)
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max(lengths), max(lengths), causal=True,
+                                 softmax_scale=0.3, window_size=(left, 0))
+    expected = []
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):  # each document on its own
+        i, j = torch.arange(end - start)[:, None], torch.arange(end - start)[None]
+        allowed = (i >= j) & (i - j <= left if left >= 0 else True)
+        scores = torch.einsum("ihd,jhd->hij", q[start:end], k[start:end]) * 0.3
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        expected.append(torch.einsum("hij,jhd->ihd", weights, v[start:end]))
+    torch.testing.assert_close(out, torch.cat(expected))
+
+
+def test_the_varlen_attention_drop_in_compiles_whole_as_the_records_models_do():
+    """The records compile their model with fullgraph=True: the block mask is built inside that graph."""
+    from varlen_attention import flash_attn_varlen_func
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    cu_seqlens = torch.tensor([0, 100, 300, 301, 512, 512, 512], dtype=torch.int32)  # padded with empty documents
+    q, k, v = (torch.randn(512, 2, 32) for _ in range(3))
+
+    def attend(q, k, v, cu_seqlens):
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, 512, 512, causal=True, softmax_scale=0.2,
+                                      window_size=(64, 0))
+    compiled = torch.compile(attend, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(q, k, v, cu_seqlens), attend(q, k, v, cu_seqlens), rtol=1e-5, atol=1e-5)
