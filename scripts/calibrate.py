@@ -6,9 +6,9 @@
     python scripts/calibrate.py table --fineweb FILE LABEL=RUN_DIR [LABEL=RUN_DIR ...] [--plot PNG]
 
 A record is a folder of modded-nanogpt's records/track_1_short/: each log in it begins with the record's complete
-training code, then its FineWeb validation curve as `step:N/M val_loss:X` lines (8 GPUs; tokens per step as
-RECORDS says). `fineweb` reads, for each record, the tokens at which every log's curve first reaches the target
-(linearly between the two evaluations around it) and gives their mean and spread.
+training code, then its FineWeb validation curve as `step:N/M val_loss:X` lines (8 GPUs; each step's tokens as
+RECORDS says: fixed, or a batch-size schedule). `fineweb` reads, for each record, the tokens at which every log's
+curve first reaches the target (linearly between the two evaluations around it) and gives their mean and spread.
 
 `prepare` takes the code out of the record's first log and sets it up for the proxy on one GPU, changing only
 what a run on other data must change: the data globs, the validation tokens (the proxy's 1,048,576), the number
@@ -50,6 +50,7 @@ from run_dir import atomic_write_text  # noqa: E402
 from common import ArgumentParser, InputError, need_package, report_input_errors  # noqa: E402
 
 CODE_END = "=" * 100  # a record's log: its code, this line, then what the run printed
+COMPANION = re.compile(r"\n\n-{40}\n# (\w+\.py)\n-{40}\n\n")  # a file the record's code appends to itself
 CURVE = re.compile(r"^step:(\d+)/(\d+) val_loss:([\d.]+)(?: train_time:(\d+)ms)?", re.M)
 EVALUATIONS = 16  # per run, as in P100
 
@@ -57,11 +58,35 @@ EVALUATIONS = 16  # per run, as in P100
 @dataclass(frozen=True)
 class Record:
     """What running a record on other data and one GPU changes (the rest is the record's)."""
-    tokens_per_step: int  # on FineWeb (8 GPUs); one GPU accumulates to the same step
+    tokens_per_step: int  # on FineWeb (8 GPUs); one GPU accumulates to the same step (a batch schedule: 0)
     data: tuple[str, str]  # the Hyperparameters fields holding the train and val globs
     step_fields: tuple[str, ...] = ()  # Hyperparameters counted in steps: re-sized with the run
     settings: dict = field(default_factory=dict)  # Hyperparameters for one GPU or the proxy's validation tokens
     edits: tuple[tuple[str, str], ...] = ()  # exact text replacements (each must match once)
+    step_counts: tuple[str, ...] = ()  # regexes of steps written in the code (the number their group): re-sized
+    scheduled: str = "num_iterations"  # the Hyperparameter of the schedule's steps
+    extension: str | None = None  # the Hyperparameter of the steps trained on after it, at its final settings
+    batch_schedule: tuple[str, str] | None = None  # Hyperparameters of the tokens per step: the schedule's stages
+    # (equal parts of its steps) and the extension's
+
+
+def step_tokens(record: Record, code: str, scheduled: int, extension: int) -> list[int]:
+    """The FineWeb tokens of each step of a run of `scheduled` + `extension` steps of the record's code."""
+    if record.batch_schedule is None:
+        return [record.tokens_per_step] * (scheduled + extension)
+    stages, after = (hyperparameter_values(code, name) for name in record.batch_schedule)
+    return [stages[len(stages) * step // scheduled] for step in range(scheduled)] + after * extension
+
+
+def tokens_at(tokens: list[int], step: float) -> float:
+    """Tokens trained on before (fractional) step `step` of a run with these tokens per step."""
+    whole = min(int(step), len(tokens))
+    return sum(tokens[:whole]) + (step - whole) * (tokens[whole] if whole < len(tokens) else 0)
+
+
+def run_length(record: Record, code: str) -> tuple[int, int]:
+    """The record's scheduled and extension steps."""
+    return hyperparameter(code, record.scheduled), hyperparameter(code, record.extension) if record.extension else 0
 
 
 # The records of the calibration set, each a whole recipe with public FineWeb logs. Those up to 2024-11-24 accumulate
@@ -92,6 +117,15 @@ GLOB_ANY_PATH = "sorted(Path(p) for p in __import__('glob').glob(filename_patter
 VARLEN_ON_TORCH = ("from flash_attn_interface import flash_attn_varlen_func",
                    "from varlen_attention import flash_attn_varlen_func")
 SHORTER_DOCUMENTS = ("num_tokens_local // 300", "num_tokens_local // 64")
+# From 2025-10 the records fetch FA3 from a kernel hub at import; from 2025-11-29 they train through a batch-size
+# schedule (thirds of the scheduled steps, then an extension at the last size) with Muon's momentum warmup and
+# cooldown written as default arguments.
+KERNEL_HUB_FA3 = (("from kernels import get_kernel\n", ""),
+                  ("flash_attn_interface = get_kernel('varunneal/flash-attention-3').flash_attn_interface",
+                   "import varlen_attention as flash_attn_interface"))
+BATCH_SCHEDULE = dict(scheduled="num_scheduled_iterations", extension="num_extension_iterations",
+                      batch_schedule=("train_bs_schedule", "train_bs_extension"),
+                      step_counts=(r"muon_warmup_steps=(\d+)", r"muon_cooldown_steps=(\d+)"))
 PROXY_VALIDATION_BATCH = {"val_batch_size": NOCAP_VAL_TOKENS}
 RECORDS = {
     "2024-10-14_ModernArch": Record(524_288, ("input_bin", "input_val_bin"), ("warmdown_iters",)),
@@ -116,6 +150,16 @@ RECORDS = {
         edits=(VARLEN_ON_TORCH, CYCLE_SHARDS, SHORTER_DOCUMENTS,
                ("        model(inputs, targets, cum_seqlens, ws).backward()",
                 "        (model(inputs, targets, cum_seqlens, ws) / grad_accum_steps).backward()"))),
+    "2025-10-04_Backout": Record(
+        262_144, ("train_files", "val_files"), ("momentum_cd_steps",), PROXY_VALIDATION_BATCH,
+        edits=(*KERNEL_HUB_FA3, CYCLE_SHARDS, SHORTER_DOCUMENTS,
+               ("        model(inputs, targets, cum_seqlens, ws_short, ws_long).backward()",
+                "        (model(inputs, targets, cum_seqlens, ws_short, ws_long) / grad_accum_steps).backward()")),
+        step_counts=(r"if step < (300):", r"frac = step / (300)\b"), extension="iteration_extension"),
+    **{name: Record(0, ("train_files", "val_files"), settings=PROXY_VALIDATION_BATCH,
+                    edits=(*KERNEL_HUB_FA3, CYCLE_SHARDS, SHORTER_DOCUMENTS), **BATCH_SCHEDULE)
+       for name in ("2025-11-29_BatchSizeSchedule", "2026-01-07_PairedHeadAttention",
+                    "2026-01-19_BigramHashEmbedding")},
 }
 # Muon's momentum warmup, written as a number of steps in the loop: re-sized with the run like the step fields.
 MOMENTUM_WARMUP = re.compile(r"min\(step ?/ ?(\d+), ?1\)")
@@ -165,19 +209,30 @@ def first_crossing(points: list[tuple[float, float]], target: float) -> float | 
     return None
 
 
+def tokens_of_the_run(record: Record, record_dir: str):
+    """A function of a (fractional) step of the record's FineWeb run: the tokens trained on before it."""
+    if record.batch_schedule is None:
+        return lambda step: step * record.tokens_per_step
+    code = record_code(record_dir)
+    per_step = step_tokens(record, code, *run_length(record, code))
+    return lambda step: tokens_at(per_step, step)
+
+
 def fineweb_tokens(record_dir: str, target: float = NOCAP_TARGET_VAL_LOSS) -> dict:
     """The record's FineWeb tokens to the target over its logs: mean, spread, and how many logs reach it."""
-    step_tokens = known_record(record_dir).tokens_per_step
+    record = known_record(record_dir)
+    tokens_before = tokens_of_the_run(record, record_dir)
     tokens = []
     for log in record_logs(record_dir):
         with open(log, encoding="utf-8", errors="replace") as f:
             step = first_crossing(curve(f.read()), target)
         if step is not None:
-            tokens.append(step * step_tokens)
+            tokens.append(tokens_before(step))
     if not tokens:
         raise InputError(f"{record_dir}: no log reaches {target}")
     spread = statistics.stdev(tokens) if len(tokens) > 1 else 0.0
-    return dict(tokens=statistics.fmean(tokens), spread=spread, logs=len(tokens), tokens_per_step=step_tokens)
+    return dict(tokens=statistics.fmean(tokens), spread=spread, logs=len(tokens),
+                tokens_per_step=record.tokens_per_step or "schedule")
 
 
 # -----------------------------------------------------------------------------
@@ -192,6 +247,22 @@ def record_code(record_dir: str) -> str:
         raise InputError(f"{log}: no training code with class Hyperparameters before a line of 100 '='; not a "
                          "record log")
     return text[:text.index(CODE_END)]
+
+
+def split_companions(text: str) -> tuple[str, dict[str, str]]:
+    """A record's logged code: its script, and the files it appends to its own log (`# name.py` between lines of
+    40 dashes, as the newer records log their triton_kernels.py)."""
+    parts = COMPANION.split(text)
+    return parts[0], dict(zip(parts[1::2], parts[2::2]))
+
+
+def companion_files(record_dir: str, code: str) -> dict[str, str]:
+    """The files the prepared code imports beside it: the record's own, and this harness's FlashAttention stand-in."""
+    files = split_companions(record_code(record_dir))[1]
+    if "varlen_attention" in code:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "varlen_attention.py")) as f:
+            files["varlen_attention.py"] = f.read()
+    return files
 
 
 def hyperparameters(code: str) -> tuple[int, int]:
@@ -210,56 +281,96 @@ def set_hyperparameter(code: str, name: str, value) -> str:
     return code[:start] + body + code[end:]
 
 
-def hyperparameter(code: str, name: str) -> int:
+def hyperparameter_values(code: str, name: str) -> list[int]:
+    """The integers a Hyperparameters field holds: one (`24 * 2048 * 8`) or a tuple of them."""
     start, end = hyperparameters(code)
-    match = re.search(rf"^\s+{name}\s*(?::\s*\w+\s*)?=\s*([\d*+ ]+?)\s*(?:#.*)?$", code[start:end], re.M)
+    match = re.search(rf"^\s+{name}\s*(?::\s*\w+\s*)?=\s*(\(?[\d*+, ]+\)?)\s*(?:#.*)?$", code[start:end], re.M)
     if match is None:
         raise InputError(f"the record's Hyperparameters have no integer field {name!r}")
-    return math.prod(sum(int(term) for term in factor.split("+")) for factor in match.group(1).split("*"))
+    terms = [term for term in match.group(1).strip("() ").split(",") if term.strip()]
+    return [math.prod(sum(int(x) for x in factor.split("+")) for factor in term.split("*")) for term in terms]
 
 
-def prepared_code(record_dir: str, budget: int, data: str) -> tuple[str, int]:
-    """The record's code for `budget` proxy tokens on one GPU, and its number of steps."""
+def hyperparameter(code: str, name: str) -> int:
+    values = hyperparameter_values(code, name)
+    if len(values) != 1:
+        raise InputError(f"the record's Hyperparameters field {name!r} holds {len(values)} integers, not one")
+    return values[0]
+
+
+def proxy_run_length(record: Record, code: str, budget: int) -> tuple[int, int]:
+    """The scheduled and extension steps of a run of `budget` tokens: the record's, both scaled by one factor."""
+    scheduled, extension = run_length(record, code)
+    scale = budget / sum(step_tokens(record, code, scheduled, extension))
+    return max(1, round(scheduled * scale)), round(extension * scale)
+
+
+def resized_step_counts(code: str, patterns, resize) -> str:
+    """The code with the number each pattern's group matches (a count of steps) replaced by resize(number)."""
+    def replace(match):
+        start, end = match.span(1)
+        return match.group(0)[:start - match.start()] + str(resize(int(match.group(1)))) + \
+            match.group(0)[end - match.start():]
+    for pattern in patterns:
+        code, count = re.subn(pattern, replace, code)
+        if not count:
+            raise InputError(f"the record's code has no step count matching {pattern!r}")
+    return code
+
+
+def prepared_code(record_dir: str, budget: int, data: str) -> tuple[str, list[int]]:
+    """The record's code for `budget` proxy tokens on one GPU, and the tokens of each of its steps."""
     record, protocol = known_record(record_dir), PROTOCOLS["P100"]
-    code = record_code(record_dir)
-    steps = max(1, round(budget / record.tokens_per_step))
-    scale = steps / hyperparameter(code, "num_iterations")
+    code = split_companions(record_code(record_dir))[0]
+    scheduled, extension = proxy_run_length(record, code, budget)
+    per_step = step_tokens(record, code, scheduled, extension)
+    scale = scheduled / run_length(record, code)[0]
+
+    def resize(steps: int) -> int:
+        return max(1, round(steps * scale))
     for old, new in record.edits:
         if code.count(old) != 1:
             raise InputError(f"{record_dir}: the edit of {old.strip()[:60]!r} matches {code.count(old)} times, "
                              "not once")
         code = code.replace(old, new)
-    code = MOMENTUM_WARMUP.sub(lambda m: f"min(step/{max(1, round(int(m.group(1)) * scale))}, 1)", code)
+    code = MOMENTUM_WARMUP.sub(lambda m: f"min(step/{resize(int(m.group(1)))}, 1)", code)
+    code = resized_step_counts(code, record.step_counts, resize)
     code = COORDINATE_DESCENT.sub(r"\1False", code)
     for name in record.step_fields:
-        code = set_hyperparameter(code, name, min(steps, max(1, round(hyperparameter(code, name) * scale))))
+        code = set_hyperparameter(code, name, min(scheduled, resize(hyperparameter(code, name))))
+    code = set_hyperparameter(code, record.scheduled, scheduled)
+    if record.extension:
+        code = set_hyperparameter(code, record.extension, extension)
+    if record.scheduled != "num_iterations":  # the whole run's steps, the schedule's and the extension's
+        code = set_hyperparameter(code, "num_iterations", scheduled + extension)
     train_glob, val_glob = record.data
     code = set_hyperparameter(code, train_glob, os.path.join(data, protocol.train_glob))
     code = set_hyperparameter(code, val_glob, os.path.join(data, protocol.val_shard))
     code = set_hyperparameter(code, "val_tokens", NOCAP_VAL_TOKENS)
-    code = set_hyperparameter(code, "num_iterations", steps)
-    code = set_hyperparameter(code, "val_loss_every", max(1, steps // EVALUATIONS))
+    code = set_hyperparameter(code, "val_loss_every", max(1, len(per_step) // EVALUATIONS))
     for name, value in record.settings.items():
         code = set_hyperparameter(code, name, value)
     if re.search(r"^\s+run_id\s*=", code[slice(*hyperparameters(code))], re.M):
         code = set_hyperparameter(code, "run_id", "record")  # its log goes to logs/<run_id>.txt: no subfolder
-    return code, steps
+    return code, per_step
 
 
 # -----------------------------------------------------------------------------
 # Running a record and reading its log as a run directory
 
-def write_run_dir(run_dir: str, log_text: str, name: str, budget: int, tokens_per_step: int, steps: int):
-    """The record's evaluations as a trainer-style run directory: metrics.jsonl, config.json, summary.json."""
+def write_run_dir(run_dir: str, log_text: str, name: str, budget: int, per_step: list[int]):
+    """The record's evaluations as a trainer-style run directory: metrics.jsonl, config.json, summary.json;
+    per_step: the tokens of each step of the run."""
     points = [m for m in CURVE.finditer(log_text)]
     if not points:
         raise InputError(f"{run_dir}: the record printed no `step:N/M val_loss:X` line; see its log.txt")
-    records = [dict(step=int(m.group(1)), tokens=int(m.group(1)) * tokens_per_step, val_loss=float(m.group(3)),
-                    train_time_s=int(m.group(4) or 0) / 1000) for m in points]
+    records = [dict(step=int(m.group(1)), tokens=round(tokens_at(per_step, int(m.group(1)))),
+                    val_loss=float(m.group(3)), train_time_s=int(m.group(4) or 0) / 1000) for m in points]
     atomic_write_text(os.path.join(run_dir, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in records))
-    finished = records[-1]["step"] == steps
+    finished = records[-1]["step"] == len(per_step)
     atomic_write_text(os.path.join(run_dir, "config.json"), json.dumps(dict(
-        record=name, budget_tokens=budget, tokens_per_step=tokens_per_step, num_iterations=steps), indent=2) + "\n")
+        record=name, budget_tokens=budget, tokens_per_step=round(statistics.fmean(per_step)),
+        num_iterations=len(per_step)), indent=2) + "\n")
     atomic_write_text(os.path.join(run_dir, "summary.json"), json.dumps(dict(
         status="completed" if finished else "incomplete", final_val_loss=records[-1]["val_loss"],
         steps=records[-1]["step"], tokens=records[-1]["tokens"]), indent=2) + "\n")
@@ -268,19 +379,19 @@ def write_run_dir(run_dir: str, log_text: str, name: str, budget: int, tokens_pe
 def run_record(record_dir: str, budget: int, data: str, work: str, gpu: int | None = None) -> str:
     """Prepare, run (torchrun, one process) and read back one record at one budget; returns its run directory."""
     name = record_name(record_dir)
-    code, steps = prepared_code(record_dir, budget, data)
+    code, per_step = prepared_code(record_dir, budget, data)
     run_dir = os.path.join(work, name, f"{budget / 1e6:g}M")
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)  # where records write their own copy of the log
     script = os.path.join(run_dir, "train_record.py")
     atomic_write_text(script, code)
-    if VARLEN_ON_TORCH[1] in code:
-        shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "varlen_attention.py"), run_dir)
+    for file_name, text in companion_files(record_dir, code).items():
+        atomic_write_text(os.path.join(run_dir, file_name), text)
     env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}))
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
         done = subprocess.run([shutil.which("torchrun") or "torchrun", "--standalone", "--nproc_per_node=1", script],
                               cwd=run_dir, stdout=log, stderr=subprocess.STDOUT, env=env)
     with open(os.path.join(run_dir, "log.txt"), encoding="utf-8", errors="replace") as f:
-        write_run_dir(run_dir, f.read(), name, budget, known_record(record_dir).tokens_per_step, steps)
+        write_run_dir(run_dir, f.read(), name, budget, per_step)
     if done.returncode:
         raise InputError(f"{run_dir}: the record exited with {done.returncode}; its log.txt says why")
     return run_dir
@@ -452,10 +563,10 @@ def dispatch(args) -> int:
     if args.command == "fineweb":
         print(json.dumps({record_name(d): fineweb_tokens(d, args.target) for d in args.records}, indent=2))
     elif args.command == "prepare":
-        code, steps = prepared_code(args.record, parse_tokens(args.budget), args.data)
+        code, per_step = prepared_code(args.record, parse_tokens(args.budget), args.data)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         atomic_write_text(args.out, code)
-        print(f"{args.out}: {steps} steps")
+        print(f"{args.out}: {len(per_step)} steps, {sum(per_step):,} tokens")
     elif args.command == "run":
         print(run_record(args.record, parse_tokens(args.budget), args.data, args.work, args.gpu))
     else:

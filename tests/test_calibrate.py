@@ -84,8 +84,8 @@ def test_the_public_records_are_read_as_their_logs_say(tmp_path):
 
 def test_prepare_changes_only_data_steps_evaluations_and_the_named_edits(tmp_path, fake_entry, monkeypatch):
     record = fake_record(tmp_path, [[(0, 11.0)]])
-    code, steps = calibrate.prepared_code(str(record), budget=250_000, data="/proxy")
-    assert steps == 250  # 250k tokens at 1,000 a step: a quarter of the record's 1,000 steps
+    code, per_step = calibrate.prepared_code(str(record), budget=250_000, data="/proxy")
+    assert per_step == [1000] * 250  # 250k tokens at 1,000 a step: a quarter of the record's 1,000 steps
     assert "input_bin : str = '/proxy/mix_train_00000[1-5].bin' # input .bin to train on" in code
     assert "input_val_bin : str = '/proxy/mix_val_000000.bin'" in code
     assert "num_iterations : int = 250 #" in code and "warmdown_iters : int = 75 #" in code  # 300 of 1,000 steps
@@ -101,6 +101,42 @@ def test_prepare_changes_only_data_steps_evaluations_and_the_named_edits(tmp_pat
         1000, ("input_bin", "input_val_bin"), edits=(("print(", "log("),)))
     with pytest.raises(InputError, match="matches 2 times, not once"):
         calibrate.prepared_code(str(record), 250_000, "/proxy")
+
+
+SCHEDULED_CODE = """import os
+class Hyperparameters:
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    val_tokens: int = 10485760
+    train_bs_schedule: tuple = (1 * 100, 2 * 100, 3 * 100)
+    train_bs_extension: int = 3 * 100
+    num_scheduled_iterations: int = 300  # the batch schedule's steps
+    num_extension_iterations: int = 30
+    num_iterations: int = num_scheduled_iterations + num_extension_iterations
+    val_loss_every: int = 50
+args = Hyperparameters()
+def get_muon_momentum(step, muon_warmup_steps=60, muon_cooldown_steps=30):
+    return step
+"""
+
+
+def test_a_batch_size_schedule_is_counted_step_by_step_and_re_sized_with_its_extension(tmp_path, monkeypatch):
+    monkeypatch.setitem(calibrate.RECORDS, "2099-01-01_Fake", calibrate.Record(
+        0, ("train_files", "val_files"), scheduled="num_scheduled_iterations", extension="num_extension_iterations",
+        batch_schedule=("train_bs_schedule", "train_bs_extension"),
+        step_counts=(r"muon_warmup_steps=(\d+)", r"muon_cooldown_steps=(\d+)")))
+    record = tmp_path / "2099-01-01_Fake"
+    record.mkdir()
+    curve = ["step:100/330 val_loss:3.5000", "step:200/330 val_loss:3.3000"]  # crosses 3.4 at step 150
+    (record / "a.txt").write_text(SCHEDULED_CODE + SEPARATOR + "\n" + "\n".join(curve) + "\n")
+    # 100 steps of 100 tokens, then 50 of 200: the stages are thirds of the 300 scheduled steps.
+    assert calibrate.fineweb_tokens(str(record), target=3.4)["tokens"] == pytest.approx(100 * 100 + 50 * 200)
+    # The whole run is 60,000 + 30 x 300 = 69,000 tokens: a third of it is 100 scheduled steps and 10 more.
+    code, per_step = calibrate.prepared_code(str(record), budget=23_000, data="/proxy")
+    assert per_step == [100] * 34 + [200] * 33 + [300] * 33 + [300] * 10
+    assert "num_scheduled_iterations: int = 100  #" in code and "num_extension_iterations: int = 10\n" in code
+    assert "num_iterations: int = 110\n" in code and "val_loss_every: int = 6\n" in code
+    assert "muon_warmup_steps=20, muon_cooldown_steps=10)" in code  # the step counts, re-sized with the run
 
 
 def test_a_record_outside_the_set_or_without_code_is_one_line(tmp_path, capsys, fake_entry):
@@ -237,3 +273,16 @@ def test_the_varlen_attention_drop_in_compiles_whole_as_the_records_models_do():
                                       window_size=(64, 0))
     compiled = torch.compile(attend, fullgraph=True, dynamic=False)
     torch.testing.assert_close(compiled(q, k, v, cu_seqlens), attend(q, k, v, cu_seqlens), rtol=1e-5, atol=1e-5)
+
+
+def test_the_files_a_record_appends_to_its_code_are_written_beside_it(tmp_path, fake_entry):
+    record = fake_record(tmp_path, [[(0, 11.0)]])
+    log = record / "log0.txt"
+    code, rest = log.read_text().split(SEPARATOR, 1)
+    kernels = "import triton\nKERNEL = 1\n"
+    log.write_text(code + f"\n\n{'-' * 40}\n# triton_kernels.py\n{'-' * 40}\n\n" + kernels + SEPARATOR + rest)
+    prepared, _ = calibrate.prepared_code(str(record), 250_000, "/proxy")
+    assert "KERNEL = 1" not in prepared and "class Hyperparameters" in prepared
+    assert calibrate.companion_files(str(record), prepared) == {"triton_kernels.py": kernels}
+    with_stand_in = calibrate.companion_files(str(record), "import varlen_attention as flash_attn_interface\n")
+    assert "def flash_attn_varlen_func(" in with_stand_in["varlen_attention.py"]
