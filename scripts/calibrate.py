@@ -5,10 +5,11 @@
     python scripts/calibrate.py run RECORD_DIR --budget 100M --data DIR --work DIR [--gpu N]
     python scripts/calibrate.py table --fineweb FILE LABEL=RUN_DIR [LABEL=RUN_DIR ...] [--plot PNG]
 
-A record is a folder of modded-nanogpt's records/track_1_short/: each log in it begins with the record's complete
-training code, then its FineWeb validation curve as `step:N/M val_loss:X` lines (8 GPUs; each step's tokens as
-RECORDS says: fixed, or a batch-size schedule). `fineweb` reads, for each record, the tokens at which every log's
-curve first reaches the target (linearly between the two evaluations around it) and gives their mean and spread.
+A record is a folder of modded-nanogpt's records/track_1_short/ (or its sub-folder of one variant): each log begins
+with the record's complete training code, then its FineWeb validation curve as `step:N/M val_loss:X` lines (8 GPUs;
+each step's tokens as RECORDS says: fixed, or a batch-size schedule). `fineweb` reads, for each record, the tokens
+at which every log's curve first reaches the target (linearly between the two evaluations around it) and gives
+their mean and spread.
 
 `prepare` takes the code out of the record's first log and sets it up for the proxy on one GPU, changing only
 what a run on other data must change: the data globs, the validation tokens (the proxy's 1,048,576), the number
@@ -30,6 +31,8 @@ says of the labels without FineWeb tokens, and how far apart one label's runs ar
 The record's code is never part of this repository: it is read from the record folder given.
 """
 
+import bisect
+import itertools
 import json
 import math
 import os
@@ -74,8 +77,30 @@ def step_tokens(record: Record, code: str, scheduled: int, extension: int) -> li
     """The FineWeb tokens of each step of a run of `scheduled` + `extension` steps of the record's code."""
     if record.batch_schedule is None:
         return [record.tokens_per_step] * (scheduled + extension)
+    if record.batch_schedule == TRAINING_STAGES:
+        durations, sizes = training_stages(code)
+        ends = [round(c * scheduled) for c in itertools.accumulate(durations)]  # as its TrainingSchedule rounds
+        return [sizes[bisect.bisect_right(ends, step)] for step in range(scheduled)] + sizes[-1:] * extension
     stages, after = (hyperparameter_values(code, name) for name in record.batch_schedule)
     return [stages[len(stages) * step // scheduled] for step in range(scheduled)] + after * extension
+
+
+def training_stages(code: str) -> tuple[list[float], list[int]]:
+    """The durations (fractions of the scheduled steps) and tokens per step of the TrainingStage entries of a
+    record's TRAINING_STAGES list; the last, the extension's, has no duration."""
+    start = code.index("TRAINING_STAGES = [")
+    entries = code[start:code.index("\n]\n", start)].split("TrainingStage(")[1:]
+    durations = [eval_fraction(m.group(1)) for entry in entries if (m := re.search(r"duration=([\d./ ]+),", entry))]
+    sizes = [math.prod(int(x) for x in re.search(r"batch_size=([\d* ]+),", entry).group(1).split("*"))
+             for entry in entries]
+    if len(durations) != len(sizes) - 1:
+        raise InputError("the record's TRAINING_STAGES: every stage but the last (the extension) needs a duration")
+    return durations, sizes
+
+
+def eval_fraction(text: str) -> float:
+    numerator, _, denominator = text.partition("/")
+    return float(numerator) / float(denominator or 1)
 
 
 def tokens_at(tokens: list[int], step: float) -> float:
@@ -112,17 +137,21 @@ GLOB_ANY_PATH = "sorted(Path(p) for p in __import__('glob').glob(filename_patter
 # scripts/varlen_attention.py (the same attention on torch's FlexAttention), copied beside the record's code. They
 # sum the losses of their 8 // GPUs micro-batches: divided by the 8, one GPU's gradient is the 8 GPUs' mean. Their
 # loaders give each micro-batch a fixed number of document slots sized for FineWeb's documents (~400 tokens): the
-# proxy's are shorter (median ~190), so the slots are sized for documents of 64 tokens. Their validation batch is
-# 2,097,152 tokens: 1,048,576 takes the proxy's validation tokens in one (8 micro-batches of 131,072).
+# proxy's are shorter (median ~190; a micro-batch holds up to 4x FineWeb's count), so they are sized for 32 tokens.
+# Their validation batch is 2,097,152 tokens: 1,048,576 takes the proxy's validation tokens in one (8 micro-batches
+# of 131,072).
 VARLEN_ON_TORCH = ("from flash_attn_interface import flash_attn_varlen_func",
                    "from varlen_attention import flash_attn_varlen_func")
-SHORTER_DOCUMENTS = ("num_tokens_local // 300", "num_tokens_local // 64")
+SHORTER_DOCUMENTS = ("num_tokens_local // 300", "num_tokens_local // 32")
 # From 2025-10 the records fetch FA3 from a kernel hub at import; from 2025-11-29 they train through a batch-size
 # schedule (thirds of the scheduled steps, then an extension at the last size) with Muon's momentum warmup and
 # cooldown written as default arguments.
 KERNEL_HUB_FA3 = (("from kernels import get_kernel\n", ""),
                   ("flash_attn_interface = get_kernel('varunneal/flash-attention-3').flash_attn_interface",
                    "import varlen_attention as flash_attn_interface"))
+# From 2026-04 the schedule is a list of TrainingStage entries, and the document slots a table for FineWeb.
+TRAINING_STAGES = "TRAINING_STAGES"
+FINEWEB_DOCUMENT_SLOTS = ("TRAIN_MAX_NUM_DOCS = {16384: 64, 32768: 96, 49152: 128}", "TRAIN_MAX_NUM_DOCS = {}")
 BATCH_SCHEDULE = dict(scheduled="num_scheduled_iterations", extension="num_extension_iterations",
                       batch_schedule=("train_bs_schedule", "train_bs_extension"),
                       step_counts=(r"muon_warmup_steps=(\d+)", r"muon_cooldown_steps=(\d+)"))
@@ -160,6 +189,17 @@ RECORDS = {
                     edits=(*KERNEL_HUB_FA3, CYCLE_SHARDS, SHORTER_DOCUMENTS), **BATCH_SCHEDULE)
        for name in ("2025-11-29_BatchSizeSchedule", "2026-01-07_PairedHeadAttention",
                     "2026-01-19_BigramHashEmbedding")},
+    "2026-04-22_MuddFormer/this_pr_v3": Record(
+        0, ("train_files", "val_files"), settings=PROXY_VALIDATION_BATCH,
+        edits=(*KERNEL_HUB_FA3, CYCLE_SHARDS, SHORTER_DOCUMENTS, FINEWEB_DOCUMENT_SLOTS),
+        **{**BATCH_SCHEDULE, "batch_schedule": TRAINING_STAGES}),
+    "2026-07-13_PrefixTokenPrediction/prefix-1375": Record(
+        0, ("train_files", "val_files"), settings=PROXY_VALIDATION_BATCH,
+        edits=(KERNEL_HUB_FA3[0], (KERNEL_HUB_FA3[1][0].replace("'varunneal/flash-attention-3'",
+                                                               "'kernels-community/flash-attn3', version=1"),
+                                  KERNEL_HUB_FA3[1][1]),
+               CYCLE_SHARDS, SHORTER_DOCUMENTS, FINEWEB_DOCUMENT_SLOTS),
+        **{**BATCH_SCHEDULE, "batch_schedule": TRAINING_STAGES}),
 }
 # Muon's momentum warmup, written as a number of steps in the loop: re-sized with the run like the step fields.
 MOMENTUM_WARMUP = re.compile(r"min\(step ?/ ?(\d+), ?1\)")
@@ -168,7 +208,11 @@ COORDINATE_DESCENT = re.compile(r"^(\s*config\.coordinate_descent_tuning = )True
 
 
 def record_name(record_dir: str) -> str:
-    return os.path.basename(os.path.normpath(record_dir))
+    """The record's folder name; where a record keeps its runs in sub-folders (one per variant it tried), the
+    record's and the variant's, e.g. 2026-04-22_MuddFormer/this_pr_v3."""
+    path = os.path.normpath(record_dir)
+    name = os.path.basename(path)
+    return name if re.match(r"\d{4}-\d{2}-\d{2}", name) else f"{os.path.basename(os.path.dirname(path))}/{name}"
 
 
 def record_logs(record_dir: str) -> list[str]:
@@ -291,6 +335,11 @@ def hyperparameter_values(code: str, name: str) -> list[int]:
     return [math.prod(sum(int(x) for x in factor.split("+")) for factor in term.split("*")) for term in terms]
 
 
+def has_hyperparameter(code: str, name: str) -> bool:
+    start, end = hyperparameters(code)
+    return re.search(rf"^\s+{name}\s*(?::\s*\w+\s*)?=", code[start:end], re.M) is not None
+
+
 def hyperparameter(code: str, name: str) -> int:
     values = hyperparameter_values(code, name)
     if len(values) != 1:
@@ -341,7 +390,7 @@ def prepared_code(record_dir: str, budget: int, data: str) -> tuple[str, list[in
     code = set_hyperparameter(code, record.scheduled, scheduled)
     if record.extension:
         code = set_hyperparameter(code, record.extension, extension)
-    if record.scheduled != "num_iterations":  # the whole run's steps, the schedule's and the extension's
+    if record.scheduled != "num_iterations" and has_hyperparameter(code, "num_iterations"):
         code = set_hyperparameter(code, "num_iterations", scheduled + extension)
     train_glob, val_glob = record.data
     code = set_hyperparameter(code, train_glob, os.path.join(data, protocol.train_glob))

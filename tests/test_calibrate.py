@@ -286,3 +286,28 @@ def test_the_files_a_record_appends_to_its_code_are_written_beside_it(tmp_path, 
     assert calibrate.companion_files(str(record), prepared) == {"triton_kernels.py": kernels}
     with_stand_in = calibrate.companion_files(str(record), "import varlen_attention as flash_attn_interface\n")
     assert "def flash_attn_varlen_func(" in with_stand_in["varlen_attention.py"]
+
+
+def test_a_list_of_training_stages_is_counted_as_its_schedule_rounds_it_and_a_variant_folder_is_named(tmp_path,
+                                                                                                      monkeypatch):
+    stages = ("TRAINING_STAGES = [\n"
+              "    TrainingStage(duration=1/3, train_max_seq_len=896, batch_size=1 * 100, window_sizes=(1, 3),\n"
+              "                  lr_mul=1.0),\n"
+              "    TrainingStage(duration=2/3, train_max_seq_len=2048, batch_size=2 * 100, window_sizes=(3, 7)),\n"
+              "    # extension stage\n"
+              "    TrainingStage(train_max_seq_len=2048, batch_size=3 * 100, window_sizes=(6, 13)),\n"
+              "]\n")
+    code = SCHEDULED_CODE.replace("    num_iterations: int = num_scheduled_iterations + num_extension_iterations\n",
+                                  "") + stages
+    monkeypatch.setitem(calibrate.RECORDS, "2099-01-01_Fake/v2", calibrate.Record(
+        0, ("train_files", "val_files"), scheduled="num_scheduled_iterations", extension="num_extension_iterations",
+        batch_schedule=calibrate.TRAINING_STAGES))
+    record = tmp_path / "2099-01-01_Fake" / "v2"  # the variant the record kept, in a folder of its own
+    record.mkdir(parents=True)
+    (record / "a.txt").write_text(code + SEPARATOR + "\nstep:100/330 val_loss:3.3000\n")
+    assert calibrate.record_name(str(record)) == "2099-01-01_Fake/v2"
+    assert calibrate.step_tokens(calibrate.RECORDS["2099-01-01_Fake/v2"], code, 10, 2) == [100] * 3 + [200] * 7 + \
+        [300] * 2  # the first stage ends at round(10 / 3) = 3
+    prepared, per_step = calibrate.prepared_code(str(record), budget=5_900, data="/proxy")  # a tenth of 59,000
+    assert "num_iterations" not in prepared.split("args = Hyperparameters()")[0]  # none to set
+    assert len(per_step) == 33 and "num_scheduled_iterations: int = 30  #" in prepared
