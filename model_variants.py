@@ -81,6 +81,22 @@ class GPTConfig:
     # mirror n_layer - value_embeds + j.
     value_embeds: int = knob(0, "extra token tables blended into the values of the first and last this many "
                                 "blocks: v = a v + b e[token], a and b learned from 1/2")
+    # A head with nothing to add must otherwise park its attention on a sink token; a gate read off the block's
+    # input lets it output nothing (modded-nanogpt's sparse attention gate, 2025-08).
+    attn_gate: int = knob(0, "> 0: each head's output is scaled by the sigmoid of a learned projection (from zero) "
+                             "of the first this many channels of the block's input (e.g. 12; 0: off)")
+    # Heads that only look one token back are attention spent on what a shift gives: each position's embedding
+    # takes in a gated share of the one before (modded-nanogpt's smear, 2025-09).
+    smear_gate: int = knob(0, "> 0: each position's embedding adds the previous one's, times a learned scalar "
+                              "(from 0) and the sigmoid of a learned projection of its first this many channels")
+    # The final stream still carries what the middle blocks wrote only as context for later ones: before the head,
+    # a learned share of the stream after that block is taken back out (modded-nanogpt's backout, 2025-10).
+    backout: int = knob(0, "> 0: the final stream less a learned multiple (from 0.5) of the stream after the "
+                           "first this many blocks (e.g. 9 of 12; 0: off)")
+    # Which token came before is what the first layers must otherwise work out: a table of hashed (previous,
+    # current) token pairs gives it to every block's input (modded-nanogpt's bigram hash embedding, 2026-01).
+    bigram_table: int = knob(0, "> 0: rows of a table indexed by a hash of each (previous, current) token pair, "
+                                "added to every block's input with a learned gain from 0.1 (e.g. 251520; 0: off)")
     # Every elementwise pass over the stream (norms, residual adds, mixes) moves half the bytes. No effect
     # without autocast, so fp32 evaluation is unchanged.
     bf16_residual: bool = knob(False, "the residual stream in autocast's dtype (bf16 in GPU training) instead of "
@@ -94,9 +110,15 @@ class GPTConfig:
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "block_size", "moe_topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("n_kv_head", "window", "kv_lora_rank", "moe_experts", "mtp_k", "value_embeds"):
+        for name in ("n_kv_head", "window", "kv_lora_rank", "moe_experts", "mtp_k", "value_embeds", "bigram_table",
+                     "attn_gate", "smear_gate", "backout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("attn_gate", "smear_gate"):
+            if getattr(self, name) > self.n_embd:
+                raise ValueError(f"{name}={getattr(self, name)} reads more channels than n_embd={self.n_embd}")
+        if self.backout >= self.n_layer:
+            raise ValueError(f"backout={self.backout} must name a block before the last (n_layer={self.n_layer})")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}; "
                              f"pick n_head from {_divisors(self.n_embd)}")

@@ -95,8 +95,8 @@ class TrainConfig:
                 choices=OPTIMIZERS)
     learning_rate: float = flag("optimization", 0.0018, "peak AdamW learning rate")
     embed_lr: float | None = flag("optimization", None,
-                "--optimizer muon: peak AdamW learning rate of the value-embedding tables (--value_embeds; default "
-                "--learning_rate)", type=float)
+                "--optimizer muon: peak AdamW learning rate of the value-embedding tables (--value_embeds) and the "
+                "bigram table (--bigram_table); default --learning_rate", type=float)
     scalar_lr: float | None = flag("optimization", None,
                 "--optimizer muon: peak AdamW learning rate of gains and learned mixing scalars, which get no weight "
                 "decay (default --learning_rate)", type=float)

@@ -342,15 +342,22 @@ class Attention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.config, self.layer, self.window = config, layer, config.layer_window(layer)
+        # The attention gate (GPTConfig.attn_gate): per head, from the first attn_gate channels of the input.
+        self.gate = nn.Linear(config.attn_gate, config.n_head, bias=False) if config.attn_gate else None
+        if self.gate is not None:
+            nn.init.zeros_(self.gate.weight)
 
-    def attend(self, q, k, v, masking: Masking | None = None) -> torch.Tensor:
-        """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) -> (B, T, n_embd)."""
+    def attend(self, q, k, v, masking: Masking | None = None, x: torch.Tensor | None = None) -> torch.Tensor:
+        """q (B, n_head, T, head_dim), k and v (B, n_kv_head, T, head_dim) -> (B, T, n_embd); x: the block's
+        (normed) input, which the attention gate reads."""
         c, masking = self.config, masking or Masking()
         window = masking.window(self.window)
         y = causal_attention(q, k, v, c.attn_impl, window, masking.block_masks and masking.block_masks[window],
                              c.chunked_windows, masking.docs, c.fused_kernels)
         B, _, T, _ = q.shape
         y = y.transpose(1, 2)  # (B, T, n_head, head_dim)
+        if self.gate is not None:
+            y = y * torch.sigmoid(self.gate(x[..., :c.attn_gate])).unsqueeze(-1).to(y.dtype)
         return self.c_proj(y.reshape(B, T, c.n_embd))
 
 
@@ -387,7 +394,7 @@ class CausalSelfAttention(Attention):
         if self.ve_mix is not None:
             v = self.ve_mix[0] * v + self.ve_mix[1] * ve.view_as(v).to(v.dtype)  # the table is fp32 under autocast
         values = v
-        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking), values
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking, x), values
 
 
 class LatentAttention(Attention):
@@ -417,7 +424,7 @@ class LatentAttention(Attention):
         k = torch.cat([k_nope, k_rope.expand(B, T, c.n_head, c.rotary_dim)], dim=-1)
         if c.qk_norm:
             q, k = rms_norm(q), rms_norm(k)
-        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking), None
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking, x), None
 
 
 def mlp_activation(h: torch.Tensor, act: str) -> torch.Tensor:
@@ -622,6 +629,14 @@ MOE_AUX_WEIGHT = 0.01  # the load-balancing loss's weight (the Switch Transforme
 EVALUATION_CHUNK = 8192  # positions an evaluation scores at once: 8192 x 50,304 fp32 logits are 1.6 GiB
 
 
+def bigram_rows(idx: torch.Tensor, rows: int) -> torch.Tensor:
+    """(B, T) token ids -> the bigram table's row for each position: its (previous, current) pair hashed into
+    rows - 1 buckets (two odd multipliers, XOR); a row's first position, with no previous token, reads the last."""
+    idx = idx.long()
+    pairs = torch.bitwise_xor(36313 * idx[:, 1:], 27191 * idx[:, :-1]) % (rows - 1)
+    return torch.cat([torch.full_like(idx[:, :1], rows - 1), pairs], dim=1)
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -644,6 +659,19 @@ class GPT(nn.Module):
         self.mtp_proj = nn.ModuleList([nn.Linear(config.n_embd, config.n_embd, bias=False)
                                        for _ in range(config.mtp_k)])
         self.rotary = Rotary(config.rotary_dim, config.block_size)
+        # Bigram table: row bigram_rows(previous, current) joins block i's input times bigram_gains[i]. Made last,
+        # so that the other weights draw the same initial values with it or without it; it starts at zero.
+        self.bigram_embed = nn.Embedding(config.bigram_table, config.n_embd) if config.bigram_table else None
+        self.bigram_gains = nn.Parameter(torch.full((config.n_layer,), 0.1)) if config.bigram_table else None
+        if config.bigram_table:
+            nn.init.zeros_(self.bigram_embed.weight)
+        # Smear (GPTConfig.smear_gate): gate and gain from zero, the embedding as it was. Backout (GPTConfig.backout):
+        # its gain from 0.5. Made last too.
+        self.smear = nn.Linear(config.smear_gate, 1, bias=False) if config.smear_gate else None
+        self.smear_gain = nn.Parameter(torch.zeros(())) if config.smear_gate else None
+        if config.smear_gate:
+            nn.init.zeros_(self.smear.weight)
+        self.backout_gain = nn.Parameter(torch.tensor(0.5)) if config.backout else None
         if config.zero_init_proj:
             for block in self.transformer.h:
                 nn.init.zeros_(block.attn.c_proj.weight)
@@ -759,8 +787,12 @@ class GPT(nn.Module):
         return masking
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """The stream's start (B, T, n_embd): the token embeddings, normed where asked."""
+        """The stream's start (B, T, n_embd): the token embeddings (each with a gated share of the one before, under
+        smear_gate), normed where asked."""
         x = self.transformer.wte(idx)
+        if self.smear is not None:
+            share = self.smear_gain * torch.sigmoid(self.smear(x[:, 1:, :self.config.smear_gate]))
+            x = torch.cat([x[:, :1], x[:, 1:] + share * x[:, :-1]], dim=1)
         if self.config.embed_norm:
             x = rms_norm(x)
         if self.config.bf16_residual:
@@ -768,16 +800,19 @@ class GPT(nn.Module):
         return x
 
     def run_blocks(self, x, idx, cos, sin, masking: Masking, drop_blocks: tuple[int, ...]) -> tuple[torch.Tensor, list]:
-        """The blocks over the stream x, with the shortcuts that join them (U-net skips, value residual and value
-        embeddings); returns the stream and the MoE layers' (balance, load) terms."""
+        """The blocks over the stream x, with the shortcuts that join them (U-net skips, value residual, value
+        embeddings, the bigram table, the backout); returns the stream and the MoE layers' (balance, load) terms."""
         c = self.config
         x0, v0, skips, moe_terms = x, None, [], []
         value_rows = [table(idx) for table in self.value_embeds]  # (B, T, kv width) each
+        bigrams = self.bigram_embed(bigram_rows(idx, c.bigram_table)).to(x.dtype) if c.bigram_table else None
         n_skips = c.n_layer // 2 if c.unet_skips else 0
         for i, block in enumerate(self.transformer.h):
             mirror = c.n_layer - 1 - i  # the encoder block whose output this decoder block receives
             if mirror < n_skips:
                 x = x + self.skip_weights[mirror] * skips[mirror]
+            if bigrams is not None:
+                x = x + self.bigram_gains[i] * bigrams
             table = c.value_embed_table(i)
             ve = value_rows[table] if table is not None else None
             if self.training and i in drop_blocks:
@@ -793,6 +828,10 @@ class GPT(nn.Module):
                 skips.append(x)
             if moe is not None:
                 moe_terms.append(moe)
+            if i + 1 == c.backout:
+                kept = x
+        if c.backout:
+            x = x - self.backout_gain * kept
         return x, moe_terms
 
     def training_objective(self, h, targets, logits, sampled_softmax: SoftmaxSample | None, moe_terms: list,
@@ -1091,9 +1130,11 @@ def make_optimizer(model: GPT, flags: TrainConfig, device: torch.device, compile
     hidden = muon_params(model)
     kernels.kernel_runs("Newton-Schulz", device)
     taken = {id(p) for p in hidden}
-    # AdamW groups, each with its own peak: value embeddings, then vectors and scalars (mixing
-    # weights), then the rest (the tied head, routers, expert stacks).
+    # AdamW groups, each with its own peak: value embeddings and the bigram table, then vectors and scalars
+    # (mixing weights), then the rest (the tied head, routers, expert stacks).
     embeddings = [table.weight for table in model.value_embeds]
+    if model.bigram_embed is not None:
+        embeddings.append(model.bigram_embed.weight)
     taken |= {id(p) for p in embeddings}
     scalars = [p for p in model.parameters() if p.ndim < 2 and id(p) not in taken]
     taken |= {id(p) for p in scalars}

@@ -1,0 +1,107 @@
+"""Parts the public speedrun records proved on FineWeb, in this project's own code: what each computes."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import read_metrics, tiny_run_args, train_flags
+from model_variants import TINY, with_overrides
+from train_gpt2 import GPT, Masking, bigram_rows, main, make_optimizer, model_from_checkpoint
+
+BIGRAM = with_overrides(TINY, vocab_size=64, bigram_table=97)
+
+
+def test_a_bigram_row_is_a_hash_of_the_previous_and_the_current_token_only():
+    idx = torch.tensor([[5, 7, 7, 5, 7], [3, 5, 7, 60, 61]])
+    rows = bigram_rows(idx, 97)
+    assert rows[:, 0].tolist() == [96, 96]  # nothing before a row's first token: the reserved last row
+    assert rows[:, 1:].min() >= 0 and rows[:, 1:].max() < 96
+    assert rows[0, 1] == rows[0, 4] == rows[1, 2]  # (5, 7) wherever it occurs
+    assert rows[0, 1] != rows[0, 3]  # (5, 7) and (7, 5): the order counts
+    pairs = torch.cartesian_prod(torch.arange(64), torch.arange(64))  # every pair: (previous, current) in a row
+    spread = torch.bincount(bigram_rows(pairs, 97)[:, 1], minlength=96)
+    assert (spread > 0).sum() == 96 and spread.max() < 3 * 4096 / 96  # every bucket used, none crowded
+
+
+def test_the_bigram_table_starts_silent_and_trains_the_rows_its_pairs_read():
+    torch.manual_seed(0)
+    plain = GPT(with_overrides(BIGRAM, bigram_table=0))
+    torch.manual_seed(0)
+    model = GPT(BIGRAM)  # made last: every other weight as without it
+    idx = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(model(idx, idx)[1], plain(idx, idx)[1])  # a table of zeros adds nothing
+    optimizer = make_optimizer(model, train_flags("--optimizer", "muon", "--embed_lr", "0.1"), torch.device("cpu"))
+    assert any(model.bigram_embed.weight is p for g in optimizer.optimizers[1].param_groups for p in g["params"]
+               if g["lr"] == 0.1)  # with the value embeddings, at --embed_lr
+    model(idx, idx)[1].backward()
+    optimizer.step()
+    read = torch.zeros(97, dtype=torch.bool)
+    read[bigram_rows(idx, 97).flatten()] = True
+    changed = model.bigram_embed.weight.abs().sum(dim=1) > 0
+    assert torch.equal(changed, read)  # the rows the batch's pairs read, and no others
+
+
+def test_a_negative_table_size_is_refused():
+    with pytest.raises(ValueError, match="bigram_table=-1 must be >= 0"):
+        with_overrides(TINY, bigram_table=-1)
+
+
+def test_a_run_with_the_parts_trains_them_and_its_checkpoint_holds_them(tmp_path, shards, capsys):
+    assert main(tiny_run_args(shards, tmp_path, "bg", "--bigram_table", "97", "--attn_gate", "12",
+                              "--smear_gate", "12", "--backout", "1", "--optimizer", "muon")) == 0
+    losses = [r["train_loss"] for r in read_metrics(tmp_path / "bg") if "train_loss" in r]
+    assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
+    checkpoint = sorted((tmp_path / "bg").glob("ckpt_*.pt"))[-1]
+    model, _ = model_from_checkpoint(str(checkpoint), torch.device("cpu"))
+    assert model.config.bigram_table == 97 and model.bigram_embed.weight.abs().sum() > 0  # it trained
+    assert model.transformer.h[0].attn.gate.weight.abs().sum() > 0
+    assert model.smear_gain != 0 and model.backout_gain != 0.5
+
+
+def test_the_attention_gate_starts_at_half_and_lets_each_head_say_nothing():
+    from train_gpt2 import CausalSelfAttention, Rotary
+    gated_config = with_overrides(TINY, attn_gate=3)  # 4 heads of 16
+    torch.manual_seed(0)
+    gated, plain = CausalSelfAttention(gated_config, 0), CausalSelfAttention(TINY, 0)
+    plain.load_state_dict({k: v for k, v in gated.state_dict().items() if not k.startswith("gate.")})
+    x = torch.randn(2, 10, 64)
+    x[..., 0] = 1.0  # the channel the gate's weights below read
+    cos, sin = Rotary(16, 32)(10)
+    torch.testing.assert_close(gated(x, cos, sin)[0], plain(x, cos, sin)[0] / 2)  # sigmoid(0) = 1/2 per head
+    with torch.no_grad():
+        gated.gate.weight.zero_()
+        gated.gate.weight[:, 0] = torch.tensor([60.0, -60.0, -60.0, 60.0])  # heads 0 and 3 open, 1 and 2 shut
+        plain.c_proj.weight[:, 16:48] = 0  # the same, by projecting only heads 0 and 3 back into the stream
+    torch.testing.assert_close(gated(x, cos, sin)[0], plain(x, cos, sin)[0])
+    with pytest.raises(ValueError, match="attn_gate=65 reads more channels than n_embd=64"):
+        with_overrides(TINY, attn_gate=65)
+
+
+def test_smear_adds_a_gated_share_of_the_previous_embedding_and_starts_silent():
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, smear_gate=12))
+    idx = torch.randint(0, TINY.vocab_size, (2, 7))
+    tokens = model.transformer.wte(idx)
+    torch.testing.assert_close(model.embed(idx), tokens)  # gain 0: the embedding as it was
+    with torch.no_grad():
+        model.smear_gain.fill_(1.0)  # the gate still at zero: a share of sigmoid(0) = 1/2
+    smeared = model.embed(idx)
+    torch.testing.assert_close(smeared[:, 0], tokens[:, 0])  # nothing before a row's first position
+    torch.testing.assert_close(smeared[:, 1:], tokens[:, 1:] + tokens[:, :-1] / 2)
+
+
+def test_backout_takes_a_share_of_the_stream_after_its_block_out_of_the_final_stream():
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, n_layer=4, backout=2))
+    kept = []
+    model.transformer.h[1].register_forward_hook(lambda module, inputs, output: kept.append(output[0]))
+    x = torch.randn(2, 8, 64)
+    cos, sin = model.rotary(8)
+    out, _ = model.run_blocks(x, torch.zeros(2, 8, dtype=torch.long), cos, sin, Masking(), ())
+    with torch.no_grad():
+        model.backout_gain.zero_()
+    plain, _ = model.run_blocks(x, torch.zeros(2, 8, dtype=torch.long), cos, sin, Masking(), ())
+    torch.testing.assert_close(out, plain - 0.5 * kept[0])  # from 0.5 of the stream after blocks 0 and 1
+    with pytest.raises(ValueError, match="backout=4 must name a block before the last"):
+        with_overrides(TINY, n_layer=4, backout=4)
