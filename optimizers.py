@@ -1,5 +1,5 @@
 """The optimizers beside torch's AdamW: Muon on a stack of same-shaped matrices at once (with NorMuon's row scaling
-and cautious weight decay), Lion, and Optimizers, which steps, schedules and checkpoints several as one."""
+and cautious weight decay), SOAP, Lion, and Optimizers, which steps, schedules and checkpoints several as one."""
 
 import math
 
@@ -188,6 +188,69 @@ class Lion(torch.optim.Optimizer):
             torch._foreach_add_(params, updates, alpha=-group["lr"])
             torch._foreach_lerp_(momenta, grads, 1 - beta2)
         return loss
+
+
+class SOAP(torch.optim.Optimizer):
+    """SOAP (Vyas et al. 2024): Adam run in the eigenbasis of Shampoo's preconditioner, for matrices. Per weight
+    W (m x n) with gradient G: L and R, running means of G G^T and G^T G; Q_L and Q_R, their eigenvectors (from
+    eigh at the first step, then every `precondition_frequency` steps one power iteration and a QR, which follows
+    the bases as they drift at a fraction of eigh's cost); Adam's first moment kept in W's own space, its second
+    moment in the rotated one. The update is Q_L (rotated first moment / sqrt(second moment)) Q_R^T, with
+    decoupled weight decay. The first step only builds L, R and the bases: a gradient never rotates itself.
+    Each moment's decay is bias-corrected as it is applied (beta_t = 1 - (1 - beta) / (1 - beta^t)), so the
+    moments are Adam's bias-corrected ones; L and R decay with Adam's second-moment beta."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.95, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0, precondition_frequency: int = 10):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      precondition_frequency=precondition_frequency))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure_loss(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.update(p, p.grad.float(), group)
+        return loss
+
+    def update(self, p: torch.Tensor, grad: torch.Tensor, group: dict):
+        state = self.state[p]
+        if not state:
+            state.update(step=0, exp_avg=torch.zeros_like(grad), exp_avg_sq=torch.zeros_like(grad),
+                         L=grad @ grad.T, R=grad.T @ grad)
+            state["Q_L"], state["Q_R"] = descending_eigenvectors(state["L"]), descending_eigenvectors(state["R"])
+            return
+        state["step"] += 1
+        (beta1, beta2), step = group["betas"], state["step"]
+        decay1, decay2 = (1 - (1 - beta) / (1 - beta**step) for beta in (beta1, beta2))
+        Q_L, Q_R = state["Q_L"], state["Q_R"]
+        state["exp_avg"].lerp_(grad, 1 - decay1)
+        state["exp_avg_sq"].lerp_((Q_L.T @ grad @ Q_R).square(), 1 - decay2)
+        rotated = (Q_L.T @ state["exp_avg"] @ Q_R) / state["exp_avg_sq"].sqrt().clamp(min=group["eps"])
+        update = Q_L @ rotated @ Q_R.T
+        state["L"].lerp_(grad @ grad.T, 1 - decay2)
+        state["R"].lerp_(grad.T @ grad, 1 - decay2)
+        if step % group["precondition_frequency"] == 0:
+            self.refresh_bases(state)
+        p.mul_(1 - group["lr"] * group["weight_decay"]).add_(update.to(p.dtype), alpha=-group["lr"])
+
+    @staticmethod
+    def refresh_bases(state: dict):
+        """One power iteration per side (Q <- QR(M Q)), the columns ordered by the eigenvalues Q^T M Q estimates,
+        largest first; the second moment's rows and columns follow their basis vectors."""
+        order = []
+        for side in ("L", "R"):
+            moved = state[side] @ state[f"Q_{side}"]
+            ranking = torch.argsort((state[f"Q_{side}"] * moved).sum(dim=0), descending=True)
+            state[f"Q_{side}"] = torch.linalg.qr(moved[:, ranking])[0]
+            order.append(ranking)
+        state["exp_avg_sq"] = state["exp_avg_sq"][order[0]][:, order[1]]
+
+
+def descending_eigenvectors(matrix: torch.Tensor) -> torch.Tensor:
+    """The eigenvectors of a symmetric matrix as columns, largest eigenvalue first."""
+    return torch.linalg.eigh(matrix)[1].flip(-1)
 
 
 def newton_schulz(updates: torch.Tensor, coefficients: tuple[float, float, float], steps: int,

@@ -17,7 +17,7 @@ from schedule import overtime_applies, warmdown_start
 NOCAP_TARGET_VAL_LOSS = 3.3821
 NOCAP_VAL_TOKENS = 1_048_576  # fixed so that every run is scored on exactly the same tokens
 NOCAP_VAL_ROW = 1024  # NoCap's validation rows: 64 batches of 16 x 1024
-OPTIMIZERS = ("adamw", "adamw8bit", "lion", "muon")
+OPTIMIZERS = ("adamw", "adamw8bit", "lion", "muon", "soap")
 COMPILE_TUNINGS = ("coordinate_descent", "combo_kernels", "none")
 # The sampled softmax draws its columns by the token counts of this much of the training data's start (two P100
 # shards, part of one FineWeb shard): any token more frequent than one in a million is counted ~40 times. A fixed
@@ -91,16 +91,21 @@ class TrainConfig:
     num_iterations: int = flag("optimization", 4768, "optimizer steps at most")
     optimizer: str = flag("optimization", "adamw",
                 "adamw: NoCap's; adamw8bit: with 8-bit moments (torchao); lion: Lion (betas 0.9, 0.99); muon: Muon on"
-                " the blocks' matrices, AdamW on the rest (--learning_rate for the head, --embed_lr, --scalar_lr)",
+                " the blocks' matrices, AdamW on the rest (--learning_rate for the head, --embed_lr, --scalar_lr); "
+                "soap: SOAP (Vyas et al. 2024) on the blocks' matrices, AdamW on the rest as with muon",
                 choices=OPTIMIZERS)
     learning_rate: float = flag("optimization", 0.0018, "peak AdamW learning rate")
     embed_lr: float | None = flag("optimization", None,
-                "--optimizer muon: peak AdamW learning rate of the value-embedding tables (--value_embeds) and the "
-                "bigram table (--bigram_table); default --learning_rate", type=float)
+                "--optimizer muon or soap: peak AdamW learning rate of the value-embedding tables (--value_embeds) "
+                "and the bigram table (--bigram_table); default --learning_rate", type=float)
     scalar_lr: float | None = flag("optimization", None,
-                "--optimizer muon: peak AdamW learning rate of gains and learned mixing scalars, which get no weight "
-                "decay (default --learning_rate)", type=float)
+                "--optimizer muon or soap: peak AdamW learning rate of gains and learned mixing scalars, which get no "
+                "weight decay (default --learning_rate)", type=float)
     muon_lr: float = flag("optimization", 0.02, "peak Muon learning rate (--optimizer muon)")
+    soap_lr: float = flag("optimization", 3e-3, "peak SOAP learning rate (--optimizer soap)")
+    soap_update_every: int = flag("optimization", 10,
+                "--optimizer soap: steps between refreshes of the preconditioner's eigenbases (SOAP's "
+                "precondition_frequency)")
     muon_momentum_warmup: int = flag("optimization", 0,
                 f"raise Muon's momentum linearly from 0.85 to {MUON_MOMENTUM} over this many steps")
     normuon_beta2: float = flag("optimization", 0.0,
@@ -283,9 +288,11 @@ class TrainConfig:
                              f"{(self.val_row_length // NOCAP_VAL_ROW + 1) * NOCAP_VAL_ROW}")
         if self.optimizer == "adamw8bit":
             need_package("torchao", "--optimizer adamw8bit (its 8-bit AdamW)")
-        for name in ("learning_rate", "embed_lr", "scalar_lr", "muon_lr", "weight_decay"):
+        for name in ("learning_rate", "embed_lr", "scalar_lr", "muon_lr", "soap_lr", "weight_decay"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) < math.inf:
                 raise InputError(f"--{name} {getattr(self, name)} must be a finite number >= 0")
+        if self.soap_update_every < 1:
+            raise InputError(f"--soap_update_every {self.soap_update_every} must be >= 1 (steps between refreshes)")
         if not 0 <= self.normuon_beta2 < 1:
             raise InputError(f"--normuon_beta2 {self.normuon_beta2} must be in [0, 1) (e.g. 0.95; 0: off)")
         if not 0 <= self.cautious_weight_decay < math.inf:

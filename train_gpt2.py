@@ -39,7 +39,7 @@ try:  # a few seconds of loading torch: Ctrl-C there is a stop, not a traceback 
     from common import ArgumentParser, InputError, WriteFailed, notice, report_input_errors
     from kernels import host_to_device
     from model_variants import RECIPES, VARIANTS, GPTConfig, config_fields, get_variant, with_overrides
-    from optimizers import MUON_MOMENTUM, BatchedMuon, Lion, Optimizers
+    from optimizers import MUON_MOMENTUM, SOAP, BatchedMuon, Lion, Optimizers
     from plan_ideas import (SpectralMixer, blocks_to_drop, consistency_objective, tokens_to_keep,
                             with_tokens_dropped)
     from run_dir import (CHECKPOINT_FORMAT, RunDirClaim, RunLog, all_finite, atomic_write, check_run_dir,
@@ -1103,8 +1103,8 @@ def evaluate(model: nn.Module, val: ValidationSet, world_size: int, dtype: str =
 # The optimizers' parameter groups (the optimizers themselves: optimizers.py)
 # =============================================================================
 
-def muon_params(model: GPT) -> list[nn.Parameter]:
-    """The hidden weight matrices Muon orthogonalizes: every Linear inside the blocks (attention, MLP,
+def hidden_matrices(model: GPT) -> list[nn.Parameter]:
+    """The hidden weight matrices Muon or SOAP trains: every Linear inside the blocks (attention, MLP,
     the MTP projections) but the MoE router. Embeddings, the head, gains and 3-D expert stacks stay with AdamW,
     as in the modded-nanogpt recipes."""
     hidden = [m.weight for m in model.transformer.h.modules() if isinstance(m, nn.Linear)]
@@ -1127,8 +1127,7 @@ def make_optimizer(model: GPT, flags: TrainConfig, device: torch.device, compile
                                      weight_decay=flags.weight_decay)])
     if flags.optimizer == "lion":
         return Optimizers([Lion(model.parameters(), lr=flags.learning_rate, weight_decay=flags.weight_decay)])
-    hidden = muon_params(model)
-    kernels.kernel_runs("Newton-Schulz", device)
+    hidden = hidden_matrices(model)
     taken = {id(p) for p in hidden}
     # AdamW groups, each with its own peak: value embeddings and the bigram table, then vectors and scalars
     # (mixing weights), then the rest (the tied head, routers, expert stacks).
@@ -1143,12 +1142,16 @@ def make_optimizer(model: GPT, flags: TrainConfig, device: torch.device, compile
               dict(params=embeddings, lr=flags.learning_rate if flags.embed_lr is None else flags.embed_lr),
               dict(params=scalars, lr=flags.learning_rate if flags.scalar_lr is None else flags.scalar_lr,
                    weight_decay=0.0)]
-    return Optimizers([
-        BatchedMuon(hidden, lr=flags.muon_lr, momentum=MUON_MOMENTUM,
-                    weight_decay=flags.cautious_weight_decay or flags.weight_decay,
-                    cautious=flags.cautious_weight_decay > 0, compiled=compiled, normuon_beta2=flags.normuon_beta2),
-        torch.optim.AdamW([g for g in groups if g["params"]], **adamw),
-    ])
+    if flags.optimizer == "soap":
+        matrices = SOAP(hidden, lr=flags.soap_lr, weight_decay=flags.weight_decay,
+                        precondition_frequency=flags.soap_update_every)
+    else:
+        kernels.kernel_runs("Newton-Schulz", device)
+        matrices = BatchedMuon(hidden, lr=flags.muon_lr, momentum=MUON_MOMENTUM,
+                               weight_decay=flags.cautious_weight_decay or flags.weight_decay,
+                               cautious=flags.cautious_weight_decay > 0, compiled=compiled,
+                               normuon_beta2=flags.normuon_beta2)
+    return Optimizers([matrices, torch.optim.AdamW([g for g in groups if g["params"]], **adamw)])
 
 
 def micro_batch_seed(seed: int, step: int, micro_step: int, rank: int = 0) -> int:

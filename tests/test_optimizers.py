@@ -231,3 +231,77 @@ def test_momentum_reaches_the_muon_optimizer(tmp_path, shards, capsys, monkeypat
     assert main(tiny_run_args(shards, tmp_path, "m", "--optimizer", "muon", "--muon_momentum_warmup", "4",
                               "--num_iterations", "6")) == 0
     assert seen == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
+
+
+def soap_trajectory(weight: torch.Tensor, grads: list[torch.Tensor], **kwargs) -> torch.Tensor:
+    from optimizers import SOAP
+    p = torch.nn.Parameter(weight.clone())
+    optimizer = SOAP([p], **kwargs)
+    for grad in grads:
+        p.grad = grad.clone()
+        optimizer.step()
+    return p.detach()
+
+
+def test_soap_on_gradients_that_keep_their_axes_is_adamw_from_its_second_step():
+    # Diagonal gradients: L and R stay diagonal, their eigenbases are the axes, and Adam in that basis is Adam.
+    torch.manual_seed(0)
+    weight = torch.randn(5, 5, dtype=torch.float64)
+    grads = [torch.diag(torch.randn(5, dtype=torch.float64)) for _ in range(9)]
+    soap = soap_trajectory(weight, grads, lr=0.01, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.1,
+                           precondition_frequency=3)  # the bases refreshed twice on the way
+    p = torch.nn.Parameter(weight.clone())
+    adamw = torch.optim.AdamW([p], lr=0.01, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.1)
+    for grad in grads[1:]:  # SOAP's first gradient only builds its bases
+        p.grad = grad.clone()
+        adamw.step()
+    torch.testing.assert_close(soap, p.detach())
+
+
+def test_soap_updates_turn_with_the_weights_axes_as_shampoo_does_and_adam_does_not():
+    torch.manual_seed(0)
+    rows, cols = 5, 5  # square: L and R have full rank from the first step (a null space's basis is anyone's)
+    weight = torch.randn(rows, cols, dtype=torch.float64)
+    grads = [torch.randn(rows, cols, dtype=torch.float64) for _ in range(8)]
+    U = torch.linalg.qr(torch.randn(rows, rows, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(cols, cols, dtype=torch.float64))[0]
+    settings = dict(lr=0.01, betas=(0.9, 0.95), precondition_frequency=3)
+    turned = soap_trajectory(U @ weight @ V.T, [U @ g @ V.T for g in grads], **settings)
+    torch.testing.assert_close(turned, U @ soap_trajectory(weight, grads, **settings) @ V.T)
+    adam = torch.nn.Parameter(U @ weight @ V.T)
+    optimizer = torch.optim.Adam([adam], lr=0.01)
+    for g in grads:
+        adam.grad = U @ g @ V.T
+        optimizer.step()
+    assert not torch.allclose(adam.detach(), turned, atol=1e-3)  # elementwise Adam sees the axes
+
+
+def test_soap_resumed_from_its_state_dict_goes_on_as_the_uninterrupted_one():
+    from optimizers import SOAP
+    torch.manual_seed(0)
+    grads = [torch.randn(4, 3) for _ in range(7)]
+    whole = soap_trajectory(torch.ones(4, 3), grads, lr=0.01, precondition_frequency=2)
+    p = torch.nn.Parameter(soap_trajectory(torch.ones(4, 3), grads[:4], lr=0.01, precondition_frequency=2))
+    first = SOAP([torch.nn.Parameter(torch.ones(4, 3))], lr=0.01, precondition_frequency=2)
+    for grad in grads[:4]:
+        first.param_groups[0]["params"][0].grad = grad.clone()
+        first.step()
+    resumed = SOAP([p], lr=0.01, precondition_frequency=2)
+    resumed.load_state_dict(first.state_dict())
+    for grad in grads[4:]:
+        p.grad = grad.clone()
+        resumed.step()
+    torch.testing.assert_close(p.detach(), whole)
+
+
+def test_soap_takes_the_hidden_matrices_and_adamw_the_rest():
+    from model_variants import TINY, with_overrides
+    from optimizers import SOAP
+    from train_gpt2 import GPT, make_optimizer
+    model = GPT(with_overrides(TINY, vocab_size=64, x0_mix=True))
+    soap, adamw = make_optimizer(model, train_flags("--optimizer", "soap", "--soap_lr", "0.004", "--scalar_lr",
+                                                    "0.04", "--soap_update_every", "5"), torch.device("cpu")).optimizers
+    assert isinstance(soap, SOAP) and soap.param_groups[0]["precondition_frequency"] == 5
+    blocks = {id(m.weight) for m in model.transformer.h.modules() if isinstance(m, torch.nn.Linear)}
+    assert {id(p) for p in soap.param_groups[0]["params"]} == blocks and soap.param_groups[0]["lr"] == 0.004
+    assert {g["lr"] for g in adamw.param_groups} == {0.0018, 0.04}  # the head at --learning_rate, the gains' own

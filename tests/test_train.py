@@ -171,7 +171,7 @@ def test_total_batch_size_derives_accumulation(tmp_path, shards, capsys):
     assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon", "lion", "adamw8bit",
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", "lion", "adamw8bit", "soap --soap_update_every 3",
                                        "muon --normuon_beta2 0.95 --cautious_weight_decay 1.2",
                                        "adamw --sampled_softmax 64"])
 def test_resume_from_a_periodic_checkpoint_gives_the_uninterrupted_losses(tmp_path, shards, capsys, monkeypatch,
