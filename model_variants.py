@@ -58,6 +58,9 @@ class GPTConfig:
     mtp_k: int = knob(0, "multi-token prediction: also predict tokens t+2 .. t+1+k, each from its own projection "
                          "(their mean loss weighs 0.3 in the objective)")
     logit_softcap: float = knob(0.0, "> 0: logits = cap x tanh(logits / cap)")
+    # Keeps the logits from drifting up together, which the softmax cannot see but bf16 can (PaLM, Chowdhery 2022).
+    z_loss: float = knob(0.0, "> 0: training adds this x the mean square of log Z, the trained softmax's "
+                              "normalizer (PaLM's z-loss: 1e-4); needs the plain head (fused_kernels off)")
     # The same math in fewer passes over memory. Where a kernel cannot run, its torch version does: on a GPU
     # without Triton (or without sm_90, for the MLP's tiles) with a notice; for fp32 evaluation and grouped
     # key/value heads silently.
@@ -114,6 +117,9 @@ class GPTConfig:
                      "attn_gate", "smear_gate", "backout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.z_loss < 0 or (self.z_loss and self.fused_kernels):
+            raise ValueError(f"z_loss={self.z_loss} must be >= 0, and is computed on the plain head's logits: "
+                             "pass fused_kernels False with it")
         for name in ("attn_gate", "smear_gate"):
             if getattr(self, name) > self.n_embd:
                 raise ValueError(f"{name}={getattr(self, name)} reads more channels than n_embd={self.n_embd}")

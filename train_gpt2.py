@@ -727,6 +727,9 @@ class GPT(nn.Module):
             if bias is not None:
                 logits = logits + bias
         loss = cross_entropy(logits, targets)
+        if c.z_loss and self.training:  # a term of the training objective, not of the loss it reports
+            log_z = torch.logsumexp(logits.float(), dim=-1)[targets != -1]
+            return loss + c.z_loss * log_z.square().mean(), loss.detach()
         return loss, loss.detach()
 
     def evaluation_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

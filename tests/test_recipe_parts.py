@@ -105,3 +105,20 @@ def test_backout_takes_a_share_of_the_stream_after_its_block_out_of_the_final_st
     torch.testing.assert_close(out, plain - 0.5 * kept[0])  # from 0.5 of the stream after blocks 0 and 1
     with pytest.raises(ValueError, match="backout=4 must name a block before the last"):
         with_overrides(TINY, n_layer=4, backout=4)
+
+
+def test_z_loss_adds_the_mean_square_of_log_z_to_the_training_objective_only():
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, vocab_size=64, z_loss=1e-2))
+    idx, targets = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    targets[0, :3] = -1  # ignored positions count in neither term
+    logits, objective, aux = model(idx, targets)
+    kept = targets != -1
+    cross_entropy = torch.nn.functional.cross_entropy(logits[kept], targets[kept])
+    log_z = torch.logsumexp(logits[kept], dim=-1)
+    torch.testing.assert_close(objective, cross_entropy + 1e-2 * log_z.square().mean())
+    torch.testing.assert_close(aux["next_token_loss"], cross_entropy)  # logged: the loss itself
+    model.eval()
+    torch.testing.assert_close(model(idx, targets)[1], cross_entropy)  # evaluation scores the loss alone
+    with pytest.raises(ValueError, match="pass fused_kernels False with it"):
+        with_overrides(TINY, z_loss=1e-4, fused_kernels=True)
