@@ -61,6 +61,7 @@ def flag(group: str, default, help: str | None, **argparse_kwargs):
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """Every training flag of a run, resolved once (parse_args) and read, never changed, from there on."""
     model: str = "d12"  # the variant's name (its flag is the model group's: the trainer's add_model_flags)
 
     # data
