@@ -96,6 +96,10 @@ class GPTConfig:
     # a learned share of the stream after that block is taken back out (modded-nanogpt's backout, 2025-10).
     backout: int = knob(0, "> 0: the final stream less a learned multiple (from 0.5) of the stream after the "
                            "first this many blocks (e.g. 9 of 12; 0: off)")
+    # Induction in one layer: a key that also shows the token before its own lets a query find "what followed the
+    # last time this came". Offered in the dims rotary turns slowest (modded-nanogpt's partial key offset, 2025-12).
+    key_offset: bool = knob(False, "the global layers' keys take the slowest-turning quarter of their rotary pairs "
+                                   "from the position before")
     # Which token came before is what the first layers must otherwise work out: a table of hashed (previous,
     # current) token pairs gives it to every block's input (modded-nanogpt's bigram hash embedding, 2026-01).
     bigram_table: int = knob(0, "> 0: rows of a table indexed by a hash of each (previous, current) token pair, "
@@ -117,6 +121,9 @@ class GPTConfig:
                      "attn_gate", "smear_gate", "backout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.key_offset and self.kv_lora_rank:
+            raise ValueError("key_offset shifts the heads' rotary dims; latent attention (kv_lora_rank) turns only "
+                             "a decoupled part: pass one of them")
         if self.z_loss < 0 or (self.z_loss and self.fused_kernels):
             raise ValueError(f"z_loss={self.z_loss} must be >= 0, and is computed on the plain head's logits: "
                              "pass fused_kernels False with it")

@@ -206,6 +206,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], dim=-1)
 
 
+def offset_keys(k: torch.Tensor) -> torch.Tensor:
+    """Keys (B, T, heads, head_dim) whose slowest-turning quarter of rotary pairs (dims D/4..D/2 and 3D/4..D of the
+    half-split layout) is the previous position's; position 0 keeps its own (GPTConfig.key_offset)."""
+    D = k.size(-1)
+    slow = torch.zeros(D, dtype=torch.bool, device=k.device)
+    slow[D // 4: D // 2] = slow[3 * D // 4:] = True
+    return torch.where(slow, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
+
+
 def may_attend(i: torch.Tensor, j: torch.Tensor, window: int, chunked: bool) -> torch.Tensor:
     """True where query position i may attend to key position j: j <= i, and if window, i - j < window
     (sliding) or i and j in the same aligned block of `window` positions (chunked). Elementwise on index
@@ -388,6 +397,8 @@ class CausalSelfAttention(Attention):
         if c.qk_norm:
             q, k = rms_norm(q), rms_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if c.key_offset and self.window == 0:
+            k = offset_keys(k)
         v = v.view(B, T, c.kv_heads, c.head_dim)
         if self.v_mix is not None:
             v = self.v_mix[0] * v + self.v_mix[1] * v0

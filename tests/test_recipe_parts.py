@@ -49,7 +49,8 @@ def test_a_negative_table_size_is_refused():
 
 def test_a_run_with_the_parts_trains_them_and_its_checkpoint_holds_them(tmp_path, shards, capsys):
     assert main(tiny_run_args(shards, tmp_path, "bg", "--bigram_table", "97", "--attn_gate", "12",
-                              "--smear_gate", "12", "--backout", "1", "--optimizer", "muon")) == 0
+                              "--smear_gate", "12", "--backout", "1", "--key_offset", "true", "--z_loss", "1e-4",
+                              "--optimizer", "muon")) == 0
     losses = [r["train_loss"] for r in read_metrics(tmp_path / "bg") if "train_loss" in r]
     assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
     checkpoint = sorted((tmp_path / "bg").glob("ckpt_*.pt"))[-1]
@@ -122,3 +123,23 @@ def test_z_loss_adds_the_mean_square_of_log_z_to_the_training_objective_only():
     torch.testing.assert_close(model(idx, targets)[1], cross_entropy)  # evaluation scores the loss alone
     with pytest.raises(ValueError, match="pass fused_kernels False with it"):
         with_overrides(TINY, z_loss=1e-4, fused_kernels=True)
+
+
+def test_the_key_offset_shows_the_previous_keys_slowest_rotary_dims_in_global_layers_only():
+    from train_gpt2 import CausalSelfAttention, Rotary, offset_keys
+    k = torch.randn(2, 5, 3, 16)
+    shifted = offset_keys(k)
+    slow = [*range(4, 8), *range(12, 16)]  # pairs 4..7 of 8 turn slowest: dims 4..7 and their partners 12..15
+    fast = [*range(0, 4), *range(8, 12)]
+    torch.testing.assert_close(shifted[:, 1:, :, slow], k[:, :-1, :, slow])
+    torch.testing.assert_close(shifted[:, :, :, fast], k[:, :, :, fast])
+    torch.testing.assert_close(shifted[:, 0], k[:, 0])  # nothing before the first position
+    config = with_overrides(TINY, window=4, window_pattern="LG", key_offset=True)
+    x, (cos, sin) = torch.randn(2, 10, 64), Rotary(16, 32)(10)
+    for layer, changes in ((0, False), (1, True)):  # a local layer, then a global one
+        torch.manual_seed(layer)
+        offset = CausalSelfAttention(config, layer)
+        plain = CausalSelfAttention(with_overrides(config, key_offset=False), layer)
+        plain.load_state_dict(offset.state_dict())
+        same = torch.allclose(offset(x, cos, sin)[0], plain(x, cos, sin)[0])
+        assert same != changes
