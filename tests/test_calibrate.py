@@ -240,12 +240,12 @@ def test_the_glob_that_replaces_a_records_relative_only_one_reads_absolute_patte
     assert files == [tmp_path / "mix_train_000001.bin", tmp_path / "mix_train_000002.bin"]
 
 
-@pytest.mark.parametrize("left", [-1, 7, 0])
+@pytest.mark.parametrize("left", [-1, 7, 0, 200, 300])
 def test_the_varlen_attention_drop_in_attends_within_each_document_and_its_window(left):
     from varlen_attention import flash_attn_varlen_func
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
-    lengths = [5, 130, 1, 64, 100]  # a document across a 128-token block, and one of a single token
+    lengths = [10, 300, 1, 200, 1, 128]  # documents across blocks, over two whole blocks, of a single token
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     q, k, v = (torch.randn(sum(lengths), 2, 16, dtype=torch.float64) for _ in range(3))  # (tokens, heads, dim)
     out = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max(lengths), max(lengths), causal=True,
@@ -258,6 +258,24 @@ def test_the_varlen_attention_drop_in_attends_within_each_document_and_its_windo
         weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         expected.append(torch.einsum("hij,jhd->ihd", weights, v[start:end]))
     torch.testing.assert_close(out, torch.cat(expected))
+
+
+@pytest.mark.parametrize("left", [-1, 7, 200, 300])
+def test_the_varlen_block_mask_is_the_token_masks_built_block_by_block(left):
+    from varlen_attention import block_mask, document_of_each_token
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention.flex_attention import create_block_mask
+    cu_seqlens = torch.tensor([0, 10, 510, 540, 640], dtype=torch.int32)  # blocks 1 and 2 inside one document
+    document = document_of_each_token(cu_seqlens, 640)
+
+    def allowed(batch, head, q, k):
+        near = (q >= k) & (document[q] == document[k])
+        return near & (q - k <= left) if left >= 0 else near
+    reference = create_block_mask(allowed, None, None, 640, 640, device="cpu")  # from the 640 x 640 token mask
+    mask = block_mask(document, left)
+    assert torch.equal(mask.to_dense(), reference.to_dense())  # the blocks any query may see a key of
+    assert torch.equal(mask.full_kv_num_blocks, reference.full_kv_num_blocks)  # those where every query sees all
+    assert mask.full_kv_num_blocks.sum() == (left < 0 or left >= 255)  # block 2 sees all of block 1, in reach
 
 
 def test_the_varlen_attention_drop_in_compiles_whole_as_the_records_models_do():
