@@ -4,6 +4,7 @@
     python scripts/calibrate.py prepare RECORD_DIR --budget 100M --data DIR --out FILE
     python scripts/calibrate.py run RECORD_DIR --budget 100M --data DIR --work DIR [--gpu N]
     python scripts/calibrate.py table --fineweb FILE LABEL=RUN_DIR [LABEL=RUN_DIR ...] [--plot PNG]
+        [--batch_pair BEFORE:AFTER ...] [--batch_correct OWN:REFERENCE ...]
 
 A record is a folder of modded-nanogpt's records/track_1_short/ (or its sub-folder of one variant): each log begins
 with the record's complete training code, then its FineWeb validation curve as `step:N/M val_loss:X` lines (8 GPUs;
@@ -27,10 +28,13 @@ trainer's.
 `table` puts each run's final proxy loss (per budget; the mean where a label names several runs, e.g. seeds)
 beside the public FineWeb tokens of the labels that have them, fits log(FineWeb tokens) = a + b x proxy loss per
 budget, and gives the rank agreement, the fit's error in tokens (each record left out of its own fit), what the fit
-says of the labels without FineWeb tokens, and how far apart one label's runs are in FineWeb tokens.
+says of the labels without FineWeb tokens, and how far apart one label's runs are in FineWeb tokens. A batch pair
+(two records that differ in batch alone) gives how many times the fit exaggerates a batch change; a label read at
+its own batch is then corrected from its reading at a reference batch inside the calibration.
 The record's code is never part of this repository: it is read from the record folder given.
 """
 
+import argparse
 import bisect
 import itertools
 import json
@@ -489,6 +493,25 @@ def calibration(losses: dict[str, float], fineweb: dict[str, float]) -> dict:
                 predicted={label: math.exp(a + b * loss) for label, loss in losses.items()})
 
 
+def batch_exaggeration(result: dict, losses: dict[str, float], fineweb: dict[str, float], pair: tuple[str, str]
+                       ) -> float:
+    """How many times the fit's reading of a change of batch alone (two records, `pair`: the record before and the
+    one after it) exceeds the change's public FineWeb effect, both as log ratios of tokens."""
+    before, after = pair
+    read = result["b"] * (losses[after] - losses[before])
+    public = math.log(fineweb[after] / fineweb[before])
+    if public == 0:
+        raise InputError(f"--batch_pair {before}:{after}: the same FineWeb tokens, no effect to compare with")
+    return read / public
+
+
+def batch_corrected(result: dict, losses: dict[str, float], own: str, reference: str, factor: float) -> float:
+    """FineWeb tokens of a recipe read at its own batch (label `own`), its batch effect taken from its reading at a
+    reference batch inside the calibration (label `reference`) and shrunk by the exaggeration `factor`."""
+    at_reference = result["a"] + result["b"] * losses[reference]
+    return math.exp(at_reference + result["b"] * (losses[own] - losses[reference]) / factor)
+
+
 def final_losses(pairs: list[tuple[str, str]]) -> dict[float, dict[str, list[float]]]:
     """Each run's final proxy loss by budget (its final tokens in millions, to 2 significant digits) and label;
     a label given several runs at one budget (seeds) keeps them all."""
@@ -505,9 +528,12 @@ def mean_losses(runs: dict[str, list[float]]) -> dict[str, float]:
     return {label: statistics.fmean(losses) for label, losses in runs.items()}
 
 
-def table(by_budget: dict[float, dict[str, list[float]]], fineweb: dict[str, float]) -> str:
+def table(by_budget: dict[float, dict[str, list[float]]], fineweb: dict[str, float],
+          batch_pairs: list[tuple[str, str]] = (), corrections: list[tuple[str, str]] = ()) -> str:
     """Per budget: the fit, then each label's proxy loss (the mean of its runs), its FineWeb tokens, the fit's
-    reading and its error left out; and the widest spread of one label's runs, in FineWeb tokens by the fit."""
+    reading and its error left out; the widest spread of one label's runs, in FineWeb tokens by the fit; how many
+    times the fit exaggerates each batch pair's effect, and the labels read at their own batch corrected by the
+    pairs' mean factor (each `own` label against its `reference` label)."""
     lines = []
     for budget, runs in sorted(by_budget.items()):
         losses = mean_losses(runs)
@@ -527,7 +553,29 @@ def table(by_budget: dict[float, dict[str, list[float]]], fineweb: dict[str, flo
             widest = max(spreads, key=spreads.get)
             lines.append(f"  runs of one label differ by up to {spreads[widest]:.4f} ({widest}): "
                          f"x{math.exp(result['b'] * spreads[widest]):.2f} in FineWeb tokens by the fit")
+        lines += batch_lines(result, losses, fineweb, batch_pairs, corrections)
     return "\n".join(lines)
+
+
+def batch_lines(result: dict, losses: dict[str, float], fineweb: dict[str, float], batch_pairs, corrections
+                ) -> list[str]:
+    """The table's lines on batch: each pair's exaggeration, then each correction by the pairs' geometric mean."""
+    pairs = [pair for pair in batch_pairs if all(label in losses and label in fineweb for label in pair)]
+    factors = [batch_exaggeration(result, losses, fineweb, pair) for pair in pairs]
+    lines = [f"  batch {before} -> {after}: FineWeb x{fineweb[after] / fineweb[before]:.3f}, the fit "
+             f"x{math.exp(result['b'] * (losses[after] - losses[before])):.3f}: exaggerated {factor:.1f} times"
+             for (before, after), factor in zip(pairs, factors)]
+    if not factors:
+        return lines
+    if min(factors) <= 0:
+        return lines + ["  no batch correction: the fit reads a pair's effect the wrong way"]
+    factor = math.exp(statistics.fmean(math.log(f) for f in factors))
+    for own, reference in corrections:
+        if own in losses and reference in losses:
+            lines.append(f"  {own}, batch-corrected from {reference} ({factor:.1f} times): "
+                         f"{batch_corrected(result, losses, own, reference, factor) / 1e9:.2f}B FineWeb tokens "
+                         f"(uncorrected {result['predicted'][own] / 1e9:.2f}B)")
+    return lines
 
 
 def plot(by_budget: dict[float, dict[str, list[float]]], fineweb: dict[str, float], path: str):
@@ -583,6 +631,13 @@ def read_fineweb_tokens(path: str) -> dict[str, float]:
     return {name: entry["tokens"] for name, entry in entries.items()}
 
 
+def label_pair(text: str) -> tuple[str, str]:
+    first, colon, second = text.partition(":")
+    if not (colon and first and second):
+        raise argparse.ArgumentTypeError(f"expected two labels as FIRST:SECOND, got {text!r}")
+    return first, second
+
+
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -604,6 +659,11 @@ def main(argv=None) -> int:
                      "given twice at one budget is the mean of its runs")
     tab.add_argument("--fineweb", required=True, help="the JSON `fineweb` printed")
     tab.add_argument("--plot", default=None, help="also draw FineWeb tokens against the proxy loss into this PNG")
+    tab.add_argument("--batch_pair", action="append", default=[], type=label_pair, metavar="BEFORE:AFTER",
+                     help="two records that differ in batch alone: how many times the fit exaggerates the change")
+    tab.add_argument("--batch_correct", action="append", default=[], type=label_pair, metavar="OWN:REFERENCE",
+                     help="a label at its own batch and at a reference batch inside the calibration: its FineWeb "
+                          "tokens with the batch effect shrunk by the pairs' factor")
     args = p.parse_args(argv)
     return report_input_errors(lambda: dispatch(args))
 
@@ -629,7 +689,7 @@ def dispatch(args) -> int:
                 raise InputError(f"{item!r}: expected LABEL=RUN_DIR")
             pairs.append((label, run_dir))
         by_budget = final_losses(pairs)
-        print(table(by_budget, public))
+        print(table(by_budget, public, args.batch_pair, args.batch_correct))
         if args.plot:
             plot(by_budget, public, args.plot)
             print(f"plot: {args.plot}")

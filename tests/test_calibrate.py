@@ -227,6 +227,19 @@ def test_the_table_groups_runs_by_budget_and_averages_a_labels_seeds(tmp_path, c
     assert ours[1:3] == ["3.9000", "2"]  # the mean of its two seeds
     # The fit is log(tokens) = log(1e9) + ... with slope ln(3) / 0.2 between r0 and r2: 0.1 apart is x3^0.5.
     assert f"differ by up to 0.1000 (ours): x{math.sqrt(3):.2f} in FineWeb tokens" in out
+    # r1 -> r2 as a batch pair: FineWeb x1.5, the fit x3^0.5: log 3^0.5 / log 1.5 = 1.35 times; "ours" corrected
+    # from the fit's reading of r0, 0.1 away: exp(fit(r0) + slope x (-0.1) / 1.35).
+    assert calibrate.main(["table", "--fineweb", str(tmp_path / "fineweb.json"), *runs, "--batch_pair", "r1:r2",
+                           "--batch_correct", "ours:r0"]) == 0
+    out = capsys.readouterr().out
+    factor = math.log(math.sqrt(3)) / math.log(1.5)
+    assert f"batch r1 -> r2: FineWeb x1.500, the fit x{math.sqrt(3):.3f}: exaggerated {factor:.1f} times" in out
+    fit_r0 = math.log(1e9) + (math.log(2) + math.log(3)) / 3 - math.log(3) / 2  # the mean, less the slope x 0.1
+    corrected = math.exp(fit_r0 + math.log(3) / 0.2 * -0.1 / factor)
+    assert f"ours, batch-corrected from r0 ({factor:.1f} times): {corrected / 1e9:.2f}B FineWeb tokens" in out
+    with pytest.raises(SystemExit) as stop:
+        calibrate.main(["table", "--fineweb", str(tmp_path / "fineweb.json"), *runs, "--batch_pair", "r1"])
+    assert stop.value.code == 2 and "expected two labels as FIRST:SECOND, got 'r1'" in capsys.readouterr().err
 
 
 def test_the_glob_that_replaces_a_records_relative_only_one_reads_absolute_patterns(tmp_path):
