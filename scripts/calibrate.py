@@ -553,8 +553,24 @@ def table(by_budget: dict[float, dict[str, list[float]]], fineweb: dict[str, flo
             widest = max(spreads, key=spreads.get)
             lines.append(f"  runs of one label differ by up to {spreads[widest]:.4f} ({widest}): "
                          f"x{math.exp(result['b'] * spreads[widest]):.2f} in FineWeb tokens by the fit")
-        lines += batch_lines(result, losses, fineweb, batch_pairs, corrections)
+        lines += low_end_lines(result, losses, fineweb) + batch_lines(result, losses, fineweb, batch_pairs,
+                                                                      corrections)
     return "\n".join(lines)
+
+
+LOW_END = 0.5e9  # FineWeb tokens: the records below it are checked against a line of their own
+
+
+def low_end_lines(result: dict, losses: dict[str, float], fineweb: dict[str, float]) -> list[str]:
+    """Whether the records below LOW_END need a line of their own: their typical error left out on one, beside
+    theirs on the line of every record (three of them at least, and records above it too)."""
+    low = {label: tokens for label, tokens in fineweb.items() if label in losses and tokens < LOW_END}
+    if len(low) < 3 or len(low) == len(result["left_out"]):
+        return []
+    own = calibration({label: losses[label] for label in low}, low)
+    on_all = math.exp(statistics.fmean(abs(math.log(result["left_out"][label])) for label in low))
+    return [f"  the {len(low)} records below {LOW_END / 1e9:.1f}B: typical error left out x{on_all:.2f} on the line "
+            f"of all, x{own['typical_error']:.2f} on their own (slope {own['b']:.2f} against {result['b']:.2f})"]
 
 
 def batch_lines(result: dict, losses: dict[str, float], fineweb: dict[str, float], batch_pairs, corrections

@@ -342,3 +342,16 @@ def test_a_list_of_training_stages_is_counted_as_its_schedule_rounds_it_and_a_va
     prepared, per_step = calibrate.prepared_code(str(record), budget=5_900, data="/proxy")  # a tenth of 59,000
     assert "num_iterations" not in prepared.split("args = Hyperparameters()")[0]  # none to set
     assert len(per_step) == 33 and "num_scheduled_iterations: int = 30  #" in prepared
+
+
+def test_the_records_below_half_a_billion_tokens_are_checked_against_a_line_of_their_own():
+    high = {f"h{i}": (4.0 + i / 10, 1e9 * math.exp(4.0 * i / 10)) for i in range(4)}  # above 0.5B, slope 4
+    low = {f"l{i}": (3.5 - i / 10, 0.45e9 * math.exp(-i / 10)) for i in range(4)}  # slope 1 below
+    losses = {label: loss for label, (loss, _) in {**high, **low}.items()}
+    fineweb = {label: tokens for label, (_, tokens) in {**high, **low}.items()}
+    result = calibrate.calibration(losses, fineweb)
+    line, = calibrate.low_end_lines(result, losses, fineweb)
+    assert line.startswith("  the 4 records below 0.5B: typical error left out x")
+    on_all, on_own = (float(part.split(" ")[0]) for part in line.split(" x")[1:3])
+    assert on_own == pytest.approx(1.0) and on_all > 1.1 and "(slope 1.00 against" in line
+    assert calibrate.low_end_lines(result, {k: losses[k] for k in high}, fineweb) == []  # none below it
