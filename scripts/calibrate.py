@@ -28,9 +28,10 @@ trainer's.
 `table` puts each run's final proxy loss (per budget; the mean where a label names several runs, e.g. seeds)
 beside the public FineWeb tokens of the labels that have them, fits log(FineWeb tokens) = a + b x proxy loss per
 budget, and gives the rank agreement, the fit's error in tokens (each record left out of its own fit), what the fit
-says of the labels without FineWeb tokens, and how far apart one label's runs are in FineWeb tokens. A batch pair
-(two records that differ in batch alone) gives how many times the fit exaggerates a batch change; a label read at
-its own batch is then corrected from its reading at a reference batch inside the calibration.
+says of the labels without FineWeb tokens, how far apart one label's runs are in FineWeb tokens, and whether the
+records below 0.5B need a line of their own. A batch pair (two records that differ in batch alone) gives how many
+times the fit exaggerates a batch change; a label read at its own batch is then corrected from its reading at a
+reference batch inside the calibration.
 The record's code is never part of this repository: it is read from the record folder given.
 """
 
