@@ -11,9 +11,9 @@ The file reads top to bottom in sections:
     groups  ->  measurement (FLOPs, MFU, tokens/s)  ->  a checkpoint's model  ->  training (setup_run,
     train_step, the loop in train())  ->  main(). Beside it: train_config.py (the training flags, typed; `--model`
     resolves into a GPTConfig and a TrainConfig once), schedule.py (the step's settings, the evaluation cadence, the
-    target planner), optimizers.py (Muon, Lion), run_dir.py (run directory, logs, checkpoints), plan_ideas.py (the
-    plans' ideas no recipe uses), common.py (errors, notices, the argument parser) and kernels.py (Triton kernels,
-    each pinned by a test to the torch form it replaces).
+    target planner), optimizers.py (Muon, SOAP, Lion), run_dir.py (run directory, logs, checkpoints),
+    plan_ideas.py (the plans' ideas no recipe uses), common.py (errors, notices, the argument parser) and
+    kernels.py (Triton kernels, each pinned by a test to the torch form it replaces).
 """
 
 import argparse
