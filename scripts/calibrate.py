@@ -122,7 +122,8 @@ def run_length(record: Record, code: str) -> tuple[int, int]:
 # The records of the calibration set, each a whole recipe with public FineWeb logs. Those up to 2024-11-24 accumulate
 # gradients themselves (batch_size / device_batch_size / GPUs micro-batches); 2025-01-04 splits its device batch
 # into micro-batches of max_device_batch_size, 2025-01-26 into rows of seq_len (one GPU is given the 8 GPUs' batch;
-# both sum the micro-batches' losses, as SoftCap's calibrated runs did); 2025-08-23 takes 8 // GPUs steps of
+# both keep their code's sum of the micro-batches' losses, a pair run alike: their Adam, at eps 1e-10, and Muon
+# move the weights by the same amount at any scale of the gradient); 2025-08-23 takes 8 // GPUs steps of
 # accumulation. 2024-12-08 asserts one micro-batch per GPU: its step is made a loop over the 8 of one GPU, each loss
 # divided by 8 as DDP's mean is.
 ONE_SEQUENCE_PER_GPU_STEP = (

@@ -55,8 +55,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     The lengths' maxima only size FA3's launch: unused here."""
     left, right = window_size
     if not causal or right not in (0, -1) or cu_seqlens_k is not cu_seqlens_q or q.size(0) % BLOCK:
-        raise NotImplementedError("only causal self-attention (the keys' lengths the queries'), no right window, "
-                                  f"over a multiple of {BLOCK} tokens")
+        raise ValueError("the stand-in takes causal self-attention (the keys' lengths the queries'), no right "
+                         f"window, over a multiple of {BLOCK} tokens")
     mask = block_mask(document_of_each_token(cu_seqlens_q, q.size(0)), left)
     out = flex_attention(*(x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v)),
                          block_mask=mask, scale=softmax_scale, enable_gqa=k.size(1) != q.size(1))
