@@ -51,8 +51,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                            causal: bool = True, softmax_scale: float | None = None,
                            window_size: tuple[int, int] = (-1, -1), **unused) -> torch.Tensor:
-    """FA3's varlen attention over q, k, v (tokens, heads, head_dim) of one packed row: (tokens, heads, head_dim).
-    The lengths' maxima only size FA3's launch: unused here."""
+    """FA3's varlen attention over q, k, v (tokens, heads, head_dim) of one packed row: (tokens, heads, head_dim),
+    contiguous as FA3's (records view it straight into other shapes). The lengths' maxima only size FA3's launch:
+    unused here."""
     left, right = window_size
     if not causal or right not in (0, -1) or cu_seqlens_k is not cu_seqlens_q or q.size(0) % BLOCK:
         raise ValueError("the stand-in takes causal self-attention (the keys' lengths the queries'), no right "
@@ -60,4 +61,4 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     mask = block_mask(document_of_each_token(cu_seqlens_q, q.size(0)), left)
     out = flex_attention(*(x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v)),
                          block_mask=mask, scale=softmax_scale, enable_gqa=k.size(1) != q.size(1))
-    return out[0].transpose(0, 1)
+    return out[0].transpose(0, 1).contiguous()

@@ -271,6 +271,7 @@ def test_the_varlen_attention_drop_in_attends_within_each_document_and_its_windo
         weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         expected.append(torch.einsum("hij,jhd->ihd", weights, v[start:end]))
     torch.testing.assert_close(out, torch.cat(expected))
+    assert out.is_contiguous()  # as FA3's: paired-head records view it straight into (B, T, heads, head_dim)
     with pytest.raises(ValueError, match="over a multiple of 128 tokens"):  # what FA3 takes and the stand-in not
         flash_attn_varlen_func(q[:-1], k[:-1], v[:-1], cu_seqlens, cu_seqlens, causal=True)
 
