@@ -114,6 +114,11 @@ class GPTConfig:
     def __post_init__(self):
         # Checked here so that every way of building a config (registry, CLI override, checkpoint)
         # gets the same one-line explanation instead of a shape error deep inside the model.
+        self._check_values()
+        self._check_combinations()
+
+    def _check_values(self):
+        """Each field on its own: sizes, choices, shapes that must divide."""
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio", "block_size", "moe_topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -121,12 +126,6 @@ class GPTConfig:
                      "attn_gate", "smear_gate", "backout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.key_offset and self.kv_lora_rank:
-            raise ValueError("key_offset shifts the heads' rotary dims; latent attention (kv_lora_rank) turns only "
-                             "a decoupled part: pass one of them")
-        if self.z_loss < 0 or (self.z_loss and self.fused_kernels):
-            raise ValueError(f"z_loss={self.z_loss} must be >= 0, and is computed on the plain head's logits: "
-                             "pass fused_kernels False with it")
         for name in ("attn_gate", "smear_gate"):
             if getattr(self, name) > self.n_embd:
                 raise ValueError(f"{name}={getattr(self, name)} reads more channels than n_embd={self.n_embd}")
@@ -146,6 +145,15 @@ class GPTConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
         if not self.window_pattern or set(self.window_pattern) - {"L", "G", "S"}:
             raise ValueError(f"window_pattern={self.window_pattern!r} must be made of L, G and S, e.g. LLLG")
+
+    def _check_combinations(self):
+        """Fields that rule each other out or bound each other."""
+        if self.key_offset and self.kv_lora_rank:
+            raise ValueError("key_offset shifts the heads' rotary dims; latent attention (kv_lora_rank) turns only "
+                             "a decoupled part: pass one of them")
+        if self.z_loss < 0 or (self.z_loss and self.fused_kernels):
+            raise ValueError(f"z_loss={self.z_loss} must be >= 0, and is computed on the plain head's logits: "
+                             "pass fused_kernels False with it")
         spectral = "S" in self.window_pattern
         if spectral and (self.value_embeds or self.doc_mask or (self.value_residual and self.layer_kind(0) == "S")):
             raise ValueError("spectral layers (S in window_pattern) have no per-head values (value_embeds, and "
