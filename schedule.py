@@ -1,7 +1,8 @@
 """The schedule: what changes with the step (the learning rate's shape, Muon's momentum warmup, the sequence-length
-curriculum, the window warmup, LayerDrop), when the run evaluates (every N steps, or --val_loss_every auto's cadence),
-and --lr_schedule target's planner, which sizes the run from its own evaluations. One object, Schedule, owns the
-evaluations and the warmdown they choose, and answers the loop's question once per step (Schedule.turn)."""
+curriculum, the window warmup, LayerDrop, the later targets' weights), when the run evaluates (every N steps, or
+--val_loss_every auto's cadence), and --lr_schedule target's planner, which sizes the run from its own evaluations.
+One object, Schedule, owns the evaluations and the warmdown they choose, and answers the loop's question once per
+step (Schedule.turn)."""
 
 import math
 from dataclasses import dataclass, field, fields
@@ -28,6 +29,17 @@ class StepSettings(NamedTuple):
     row_length: int  # the curriculum: a quarter of --sequence_length doubling up to it by --curriculum_iters
     local_window: int  # the window warmup: a quarter of the model's window doubling up to it by --window_iters
     layerdrop: float  # LayerDrop's skip probability: --layerdrop falling linearly to 0 at LAYERDROP_UNTIL
+    target_weights: tuple  # the next token's weight (1) and each later target's (fading_weights); (): none
+
+
+def fading_weights(step: int, num_iterations: int, later: tuple) -> tuple:
+    """The weights of the next token (1) and of the tokens 2, 3, ... ahead (--later_targets: their weights at the
+    start) at `step`. The run is cut into len(later) + 1 equal shares; in each share but the last, the farthest
+    target still weighted fades linearly to 0, so the last share trains on the next token alone."""
+    if not later:
+        return ()
+    shares = step * (len(later) + 1) / num_iterations
+    return (1.0, *(w * min(1.0, max(0.0, len(later) - k - shares)) for k, w in enumerate(later)))
 
 
 def lr_scale(step: int, args, warmdown: tuple | None = None) -> float:
@@ -292,6 +304,7 @@ class Schedule:
     val_dtype: str
     target_val_loss: float
     overtime_steps: int
+    later_targets: tuple = ()
     evaluations: list = field(default_factory=list, init=False)  # (step, val loss), in order
     prediction: Prediction | None = field(default=None, init=False)
     warmdown: Warmdown | None = field(default=None, init=False)
@@ -352,7 +365,8 @@ class Schedule:
             muon_momentum=MUON_MOMENTUM if step >= warmup else 0.85 + (MUON_MOMENTUM - 0.85) * step / warmup,
             row_length=doubling_at(step, self.sequence_length, self.curriculum_iters),
             local_window=doubling_at(step, self.window, self.window_iters),
-            layerdrop=self.layerdrop * (1 - step / drop_iters) if step < drop_iters else 0.0)
+            layerdrop=self.layerdrop * (1 - step / drop_iters) if step < drop_iters else 0.0,
+            target_weights=fading_weights(step, self.num_iterations, self.later_targets))
 
     def turn(self, step: int) -> Turn:
         """What happens at `step`: an evaluation first where --val_loss_every asks, at the schedule's end and at

@@ -53,6 +53,16 @@ def parse_val_rows(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number of tokens or 'train', got {text!r}") from None
 
 
+def parse_weights(text: str) -> tuple:
+    try:
+        weights = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass weights separated by commas, e.g. 0.5,0.25") from None
+    if not all(0 <= w < math.inf for w in weights):
+        raise argparse.ArgumentTypeError(f"{text!r}: each weight must be a finite number >= 0")
+    return weights
+
+
 def flag(group: str, default, help: str | None, **argparse_kwargs):
     """A field that is also the flag --<name>: its --help group, default and help, and what argparse needs beyond
     them (type where the default's type is not it, choices, action)."""
@@ -136,6 +146,11 @@ class TrainConfig:
     layerdrop: float = flag("optimization", 0.0,
                 "LayerDrop: skip each block but the first with this probability, falling linearly to 0 at 80%% of "
                 "--num_iterations, so that the whole network trains the last fifth (never in evaluation)")
+    later_targets: tuple = flag("optimization", (),
+                "the head's logits at each position also score the tokens 2, 3, ... ahead, with these weights at the "
+                "start (e.g. 0.5,0.25); the run is cut into one share more than there are weights, and in each share "
+                "the farthest target still weighted fades to 0, so the last share trains on the next token alone "
+                "(shares of --num_iterations: under --lr_schedule target, of the longest run)", type=parse_weights)
     token_dropout: float = flag("optimization", 0.0,
                 "token dropout with a consistency loss (R-Drop with the plans' TokenMask): each micro-batch also runs"
                 " with this fraction of its input tokens replaced by <|endoftext|>; the objective is both passes' "
@@ -276,8 +291,9 @@ class TrainConfig:
         self.check_doubling("curriculum", "--sequence_length", self.sequence_length)
         if not 0 <= self.token_dropout < 1:
             raise InputError(f"--token_dropout {self.token_dropout} is a probability: pass a number in [0, 1)")
-        if self.token_dropout and self.sampled_softmax:
-            raise InputError("--token_dropout compares both passes' full softmaxes; pass --sampled_softmax 0")
+        if self.token_dropout and (self.sampled_softmax or self.later_targets):
+            raise InputError("--token_dropout compares both passes' full next-token softmaxes; pass "
+                             "--sampled_softmax 0 and no --later_targets")
         if not 0 <= self.layerdrop < 1:
             raise InputError(f"--layerdrop {self.layerdrop} is a probability: pass a number in [0, 1)")
         if isinstance(self.val_sequence_length, int) and self.val_sequence_length < 1:

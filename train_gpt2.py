@@ -597,6 +597,12 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
 
+def with_later_targets(targets: torch.Tensor, later: int) -> torch.Tensor:
+    """targets (B, T) as (B, T, 1 + later): each position's next token, then the `later` tokens after it in its
+    row, -1 past the row's end (multi-token prediction on the same logits: Gloeckle et al. 2024's targets)."""
+    return torch.stack([F.pad(targets[:, j:], (0, j), value=-1) for j in range(later + 1)], dim=-1)
+
+
 class SoftmaxSample(NamedTuple):
     """A training softmax over `columns` columns of the vocabulary: every target of the micro-batch, and others
     drawn in proportion to exp(log_weights) (vocab,) by `draws` (vocab,), uniform on [0, 1); draws of shape
@@ -699,21 +705,25 @@ class GPT(nn.Module):
         return logits
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor, logits: torch.Tensor | None = None,
-                  sample: SoftmaxSample | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  sample: SoftmaxSample | None = None, weights: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean cross-entropy of the head over hidden states h (B, T, n_embd) against targets (B, T), -1
-        ignored: (the loss, the loss detached). A sample of several groups splits the positions, in order, into
-        that many equal runs, each scored by softmax_loss with its own draws, and averages their losses."""
+        ignored: (the objective, the loss detached). With weights (M,), targets are (B, T, M): M targets per
+        position scored by the same logits (with_later_targets), the objective their weighted sum of means, the loss
+        the first's. A sample of several groups splits the positions, in order, into that many equal runs, each
+        scored by softmax_loss with its own draws, and averages them."""
         if sample is None or sample.draws.dim() == 1:
-            return self.softmax_loss(h, targets, logits, sample)
+            return self.softmax_loss(h, targets, logits, sample, weights)
         groups = sample.draws.size(0)
-        losses = [self.softmax_loss(h_group, targets_group, None, sample._replace(draws=draws))[0]
-                  for h_group, targets_group, draws in zip(h.reshape(groups, -1, h.size(-1)),
-                                                           targets.reshape(groups, -1), sample.draws)]
-        loss = torch.stack(losses).mean()
-        return loss, loss.detach()
+        results = [self.softmax_loss(h_group, targets_group, None, sample._replace(draws=draws), weights)
+                   for h_group, targets_group, draws in zip(h.reshape(groups, -1, h.size(-1)),
+                                                            targets.reshape(groups, -1, *targets.shape[2:]),
+                                                            sample.draws)]
+        return torch.stack([o for o, _ in results]).mean(), torch.stack([loss for _, loss in results]).mean()
 
     def softmax_loss(self, h: torch.Tensor, targets: torch.Tensor, logits: torch.Tensor | None,
-                     sample: SoftmaxSample | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     sample: SoftmaxSample | None, weights: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """head_loss over h (..., n_embd) and targets (...) with one sample's draws (vocab,): the softmax is over
         its columns only (sampled_softmax_columns), and the loss is that softmax's estimate; the logits at hand
         are the full softmax's, so they go unused. A pass that builds a gradient takes HeadCrossEntropy under
@@ -724,24 +734,27 @@ class GPT(nn.Module):
         if sample is not None:
             columns, bias, targets = sampled_softmax_columns(targets, sample, c.vocab_size)
             weight, logits = weight[columns], None
+        if weights is None:  # one target per position
+            targets, weights = targets.unsqueeze(-1), torch.ones(1, device=h.device)
         if logits is None and c.fused_kernels and torch.is_grad_enabled():
             kernels.kernel_runs("head loss", h.device)
-            loss, means = kernels.HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight, targets.reshape(-1, 1),
-                                                         torch.ones(1, device=h.device), c.logit_softcap,
-                                                         compute_dtype(h), bias)
+            loss, means = kernels.HeadCrossEntropy.apply(h.reshape(-1, h.size(-1)), weight,
+                                                         targets.reshape(-1, targets.size(-1)), weights,
+                                                         c.logit_softcap, compute_dtype(h), bias)
             return loss, means[0]
         if logits is None and sample is None and not torch.is_grad_enabled():
-            loss = self.evaluation_loss(h, targets)
+            loss = self.evaluation_loss(h, targets[..., 0])
             return loss, loss
         if logits is None:
             logits = self.logits(h, weight)
             if bias is not None:
                 logits = logits + bias
-        loss = cross_entropy(logits, targets)
+        losses = [cross_entropy(logits, targets[..., m]) for m in range(targets.size(-1))]
+        objective = losses[0] if len(losses) == 1 else sum(w * loss for w, loss in zip(weights.unbind(), losses))
         if c.z_loss and self.training:  # a term of the training objective, not of the loss it reports
-            log_z = torch.logsumexp(logits.float(), dim=-1)[targets != -1]
-            return loss + c.z_loss * log_z.square().mean(), loss.detach()
-        return loss, loss.detach()
+            log_z = torch.logsumexp(logits.float(), dim=-1)[targets[..., 0] != -1]
+            objective = objective + c.z_loss * log_z.square().mean()
+        return objective, losses[0].detach()
 
     def evaluation_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy of the head over h (..., n_embd) against targets (...), -1 ignored, without a
@@ -763,7 +776,8 @@ class GPT(nn.Module):
         return total / (targets != -1).sum()
 
     def forward(self, idx, targets=None, return_logits=True, drop_blocks: tuple[int, ...] = (), local_window: int = 0,
-                sampled_softmax: SoftmaxSample | None = None, token_keep: torch.Tensor | None = None):
+                sampled_softmax: SoftmaxSample | None = None, token_keep: torch.Tensor | None = None,
+                target_weights: torch.Tensor | None = None):
         """idx, targets: (B, T) token ids. Returns (logits or None, loss or None, aux). The loss is the
         next-token cross-entropy in eval mode and the training objective (plus weighted MTP and MoE terms)
         in training mode; `aux` holds the terms (detached) for logging, empty in eval mode.
@@ -771,7 +785,9 @@ class GPT(nn.Module):
         every block runs. A local_window other than 0 replaces the local layers' window (the window warmup;
         training only), and a sampled_softmax replaces the next-token head's full softmax (training only; see
         head_loss). With doc_mask, attention stays within the documents of each row (document_ids). token_keep
-        (B, T) bool, training only: token dropout, the rows run again with the other tokens read as <|endoftext|>."""
+        (B, T) bool, training only: token dropout, the rows run again with the other tokens read as <|endoftext|>.
+        target_weights (1 + M,), training only: the same logits also score the M tokens after the next one
+        (--later_targets), the objective their weighted sum."""
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size {self.config.block_size}")
@@ -786,7 +802,7 @@ class GPT(nn.Module):
         logits = self.logits(h) if return_logits else None  # (B, T, vocab)
         if not self.training:
             return logits, self.head_loss(h, targets, logits=logits)[0], {}
-        loss, aux = self.training_objective(h, targets, logits, sampled_softmax, moe_terms, masked_h)
+        loss, aux = self.training_objective(h, targets, logits, sampled_softmax, moe_terms, masked_h, target_weights)
         return logits, loss, aux
 
     def masking(self, idx: torch.Tensor, local_window: int) -> Masking:
@@ -849,15 +865,18 @@ class GPT(nn.Module):
         return x, moe_terms
 
     def training_objective(self, h, targets, logits, sampled_softmax: SoftmaxSample | None, moe_terms: list,
-                           masked_h: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-        """The training loss over the final hidden states h: the next-token loss, plus the weighted MTP and MoE
-        balance terms; and those terms, detached, for logging. With masked_h (token dropout: the same rows with
-        tokens masked), R-Drop's objective: the mean of both passes' next-token losses plus the weighted
-        symmetric KL between their predictions (the full softmax's)."""
+                           masked_h: torch.Tensor | None = None, target_weights: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, dict]:
+        """The training loss over the final hidden states h: the next-token loss (with target_weights, the head's
+        weighted loss over the next and later tokens), plus the weighted MTP and MoE balance terms; and those
+        terms, detached, for logging. With masked_h (token dropout: the same rows with tokens masked), R-Drop's
+        objective: the mean of both passes' next-token losses plus the weighted symmetric KL between their
+        predictions (the full softmax's)."""
         c = self.config
         if masked_h is not None and logits is None:
             logits = self.logits(h)
-        objective, next_token_loss = self.head_loss(h, targets, logits, sampled_softmax)
+        scored = targets if target_weights is None else with_later_targets(targets, target_weights.numel() - 1)
+        objective, next_token_loss = self.head_loss(h, scored, logits, sampled_softmax, target_weights)
         aux = {"next_token_loss": next_token_loss}
         if masked_h is not None:
             objective, masked_aux = consistency_objective(objective, logits, self.logits(masked_h), targets)
@@ -1650,12 +1669,13 @@ def describe_run(run: Run):
 
 def train_step(run: Run, step: int, settings: StepSettings) -> tuple[torch.Tensor, dict]:
     """Optimizer step number step + 1 over the run's micro-batches with the schedule's settings for it (its
-    learning rate, row length, local window and LayerDrop) and the sampled softmax's draws. Returns the mean
-    next-token loss (a device tensor) and the mean of each auxiliary term the model reports (MTP losses, MoE
-    balance and load)."""
+    learning rate, row length, local window, LayerDrop, the later targets' weights) and the sampled softmax's
+    draws. Returns the mean next-token loss (a device tensor) and the mean of each auxiliary term the model reports
+    (MTP losses, MoE balance and load)."""
     step_loss = torch.zeros((), device=run.env.device)
     aux_means: dict[str, torch.Tensor] = {}
     rows, window = settings.row_length, settings.local_window
+    weights = torch.tensor(settings.target_weights, device=run.env.device) if settings.target_weights else None
     accumulation = run.accumulation
     for micro_step in range(accumulation):
         x, y = run.train_loader.next_batch()  # (B, T)
@@ -1673,7 +1693,7 @@ def train_step(run: Run, step: int, settings: StepSettings) -> tuple[torch.Tenso
         with sync:
             with run.autocast_ctx:
                 _, objective, aux = run.model(x, y, return_logits=False, drop_blocks=drop, local_window=window,
-                                              sampled_softmax=sample, token_keep=keep)
+                                              sampled_softmax=sample, token_keep=keep, target_weights=weights)
             (objective / accumulation).backward()
         run.train_loader.prefetch()  # the next micro-batch (the next step's first), read while this one runs
         step_loss += aux.pop("next_token_loss") / accumulation

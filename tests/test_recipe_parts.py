@@ -143,3 +143,50 @@ def test_the_key_offset_shows_the_previous_keys_slowest_rotary_dims_in_global_la
         plain.load_state_dict(offset.state_dict())
         same = torch.allclose(offset(x, cos, sin)[0], plain(x, cos, sin)[0])
         assert same != changes
+
+
+def test_the_later_targets_fade_in_turn_the_farthest_first():
+    from schedule import fading_weights
+    for step in range(0, 901, 25):  # the published form for (0.5, 0.25): [1, .5, .25 -> 0], [1, .5 -> 0], [1]
+        x = step / 900
+        published = [1.0, 0.5, 0.25 * (1 - 3 * x)] if x < 1 / 3 else [1.0, 0.5 * (2 - 3 * x)] if x < 2 / 3 else [1.0]
+        assert fading_weights(step, 900, (0.5, 0.25)) == pytest.approx(published + [0.0] * (3 - len(published)))
+    assert fading_weights(300, 1200, (0.4,)) == pytest.approx((1.0, 0.2))  # one target: fades over the first half
+    assert fading_weights(700, 1200, (0.4,)) == (1.0, 0.0) and fading_weights(7, 100, ()) == ()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_later_targets_are_scored_by_the_next_tokens_logits(fused):
+    from train_gpt2 import with_later_targets
+    torch.manual_seed(0)
+    targets, weights = torch.randint(0, 64, (2, 10)), torch.tensor([1.0, 0.5, 0.25])
+    targets[1, 3] = -1  # ignored as the next token, as the token 2 ahead of position 2 and 3 ahead of position 1
+    model = GPT(with_overrides(TINY, vocab_size=64, logit_softcap=15.0, fused_kernels=fused))
+    h = torch.randn(2, 10, TINY.n_embd, requires_grad=True)
+    objective, next_token_loss = model.head_loss(h, with_later_targets(targets, 2), weights=weights)
+    logits = model.logits(h).float().reshape(-1, 64)
+    by_hand = [torch.nn.functional.cross_entropy(logits[rows], targets[:, j:].reshape(-1), ignore_index=-1)
+               for j, rows in enumerate(torch.arange(20).view(2, 10)[:, :10 - j].reshape(-1) for j in range(3))]
+    torch.testing.assert_close(objective, by_hand[0] + 0.5 * by_hand[1] + 0.25 * by_hand[2])
+    torch.testing.assert_close(next_token_loss, by_hand[0].detach())
+    objective.backward()
+    assert h.grad[:, -1].abs().sum() > 0 and not next_token_loss.requires_grad
+    assert with_later_targets(targets, 2)[0, 8].tolist() == [targets[0, 8], targets[0, 9], -1]
+
+
+def test_a_run_with_later_targets_trains_on_them_and_logs_the_next_token_loss(shards, tmp_path, capsys):
+    from schedule import Schedule
+    flags = train_flags("--later_targets", "0.5,0.25", "--num_iterations", "9")
+    assert Schedule.of(flags, 0).at(0).target_weights == (1.0, 0.5, 0.25)
+    assert Schedule.of(flags, 0).at(6).target_weights == (1.0, 0.0, 0.0)
+    assert main(tiny_run_args(shards, tmp_path, "later", "--later_targets", "0.5,0.25")) == 0
+    assert main(tiny_run_args(shards, tmp_path, "plain")) == 0
+    later, plain = ([r for r in read_metrics(tmp_path / name) if "train_loss" in r] for name in ("later", "plain"))
+    assert later[0]["train_loss"] == pytest.approx(plain[0]["train_loss"])  # the same first step's next-token loss
+    assert later[-1]["train_loss"] != plain[-1]["train_loss"]  # trained on other targets
+    capsys.readouterr()
+    for bad, why in (("0.5,x", "pass weights separated by commas"), ("-1", "each weight must be a finite number")):
+        with pytest.raises(SystemExit) as stop:
+            main(tiny_run_args(shards, tmp_path, "bad", "--later_targets", bad))
+        assert stop.value.code == 2 and f"argument --later_targets: '{bad}': {why}" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

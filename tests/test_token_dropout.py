@@ -62,6 +62,9 @@ def test_a_token_dropout_run_logs_both_passes_and_counts_their_work(tmp_path, sh
     assert meter.flops_token(32, 0) == 2 * flops_per_token(GPT(TINY), 32)
     capsys.readouterr()
     assert main(tiny_run_args(shards, tmp_path, "ss", "--token_dropout", "0.15", "--sampled_softmax", "32")) == 2
-    assert capsys.readouterr().err.strip() == (
-        "error: --token_dropout compares both passes' full softmaxes; pass --sampled_softmax 0")
+    expected = ("error: --token_dropout compares both passes' full next-token softmaxes; pass --sampled_softmax 0 "
+                "and no --later_targets")
+    assert capsys.readouterr().err.strip() == expected
+    assert main(tiny_run_args(shards, tmp_path, "lt", "--token_dropout", "0.15", "--later_targets", "0.5")) == 2
+    assert capsys.readouterr().err.strip() == expected
     assert main(tiny_run_args(shards, tmp_path, "p1", "--token_dropout", "1")) == 2
