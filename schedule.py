@@ -33,9 +33,8 @@ class StepSettings(NamedTuple):
 
 
 def fading_weights(step: int, num_iterations: int, later: tuple) -> tuple:
-    """The weights of the next token (1) and of the tokens 2, 3, ... ahead (--later_targets: their weights at the
-    start) at `step`. The run is cut into len(later) + 1 equal shares; in each share but the last, the farthest
-    target still weighted fades linearly to 0, so the last share trains on the next token alone."""
+    """The weights at `step` of the next token (1) and the tokens 2, 3, ... ahead (--later_targets: theirs at the
+    start): in each of len(later) + 1 equal shares of the run, the farthest one still weighted fades to 0."""
     if not later:
         return ()
     shares = step * (len(later) + 1) / num_iterations
@@ -97,8 +96,7 @@ def doubling_at(step: int, end: int, iters: int) -> int:
 # the last step, and at once again at the step of a scout that comes within SCOUT_MARGIN of it, after which the
 # evaluations stay in --val_dtype. A scout reads -0.3e-4 to +1.2e-4 above fp32 (d12_fast, 49 evaluations of two
 # runs; d12: +0.5e-4): past the margin, a bf16 error could only stop a run one evaluation later, never early,
-# while a wider margin re-scores more scouts too far above the target to cross it (an fp32 pass takes ~9 scouts'
-# time).
+# while a wider margin re-scores more scouts too far above the target to cross it (an fp32 pass: ~9 scouts).
 SCOUT_MARGIN = 0.0002
 
 
@@ -164,8 +162,7 @@ def stable_fit(points: list) -> tuple[float, float, float] | None:
 
 
 def warmdown_steps(start: int, args) -> int:
-    """--lr_schedule target: the warmdown from step `start`, the fraction of the run --warmdown_iters is of
-    --num_iterations, at most half."""
+    """--lr_schedule target: the warmdown from step `start`, --warmdown_iters' share of the run, at most half."""
     fraction = 1 - warmdown_start(args) / args.num_iterations
     return max(1, round(start * fraction / (1 - fraction)))
 
