@@ -57,6 +57,9 @@ class GPTConfig:
     # --- objective --------------------------------------------------------------------------------
     mtp_k: int = knob(0, "multi-token prediction: also predict tokens t+2 .. t+1+k, each from its own projection "
                          "(their mean loss weighs 0.3 in the objective)")
+    # A tied embedding serves two masters; untied late, each specializes from a good start (modded-nanogpt, 2025-12).
+    untie_at: float = knob(0.0, "> 0: the embedding, tied to the head, becomes a copy of its own (with the head's "
+                                "optimizer state) at this fraction of --num_iterations, e.g. 0.67; 0: tied throughout")
     logit_softcap: float = knob(0.0, "> 0: logits = cap x tanh(logits / cap)")
     # Keeps the logits from drifting up together, which the softmax cannot see but bf16 can (PaLM, Chowdhery 2022).
     z_loss: float = knob(0.0, "> 0: training adds this x the mean square of log Z, the trained softmax's "
@@ -129,6 +132,8 @@ class GPTConfig:
         for name in ("attn_gate", "smear_gate"):
             if getattr(self, name) > self.n_embd:
                 raise ValueError(f"{name}={getattr(self, name)} reads more channels than n_embd={self.n_embd}")
+        if not 0 <= self.untie_at < 1:
+            raise ValueError(f"untie_at={self.untie_at} is a fraction of the run: pass a number in [0, 1)")
         if self.backout >= self.n_layer:
             raise ValueError(f"backout={self.backout} must name a block before the last (n_layer={self.n_layer})")
         if self.n_embd % self.n_head != 0:

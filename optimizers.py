@@ -48,6 +48,12 @@ class Optimizers:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 
+    def copy_state(self, source: torch.Tensor, target: torch.Tensor):
+        """target's state (moments, step counts) a copy of source's: a parameter split off another (untie_at)."""
+        for opt in self.optimizers:
+            if source in opt.state:
+                opt.state[target] = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[source].items()}
+
     def state_dict(self) -> dict:
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
 

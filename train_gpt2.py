@@ -669,7 +669,9 @@ class GPT(nn.Module):
         # U-net: block n_layer-1-i adds skip_weights[.] * (block i's output) to its input, for i < n_layer // 2.
         self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2)) if config.unet_skips else None
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # tied; keeps the Linear's init, as NoCap does
+        if not config.untie_at:
+            self.transformer.wte.weight = self.lm_head.weight  # tied; keeps the Linear's init, as NoCap does
+        self.untied = False  # untie_at: the embedding reads its own copy (GPT.untie); until then the head's values
         # Multi-token prediction: extra target t+1+j comes from its own projection of the final hidden
         # state into the shared head. The next-token logits never see these branches, and the extra
         # targets are only ever targets, so nothing from the future reaches the next-token prediction.
@@ -819,7 +821,8 @@ class GPT(nn.Module):
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """The stream's start (B, T, n_embd): the token embeddings (each with a gated share of the one before, under
         smear_gate), normed where asked."""
-        x = self.transformer.wte(idx)
+        tied = self.config.untie_at and not self.untied  # the separate table unused yet
+        x = F.embedding(idx, self.lm_head.weight) if tied else self.transformer.wte(idx)
         if self.smear is not None:
             share = self.smear_gain * torch.sigmoid(self.smear(x[:, 1:, :self.config.smear_gate]))
             x = torch.cat([x[:, :1], x[:, 1:] + share * x[:, :-1]], dim=1)
@@ -828,6 +831,12 @@ class GPT(nn.Module):
         if self.config.bf16_residual:
             x = x.to(compute_dtype(x))  # the rest of the stream follows: bf16 branches add to bf16
         return x
+
+    @torch.no_grad()
+    def untie(self):
+        """untie_at: from here the embedding trains apart from the head, from a copy of the head's values."""
+        self.transformer.wte.weight.copy_(self.lm_head.weight)
+        self.untied = True
 
     def run_blocks(self, x, idx, cos, sin, masking: Masking, drop_blocks: tuple[int, ...]) -> tuple[torch.Tensor, list]:
         """The blocks over the stream x, with the shortcuts that join them (U-net skips, value residual, value
@@ -1339,11 +1348,17 @@ class StepMeter:
 # A checkpoint's model (the run directory, logs and checkpoint files: run_dir.py)
 # =============================================================================
 
+def untie_step(config: GPTConfig, num_iterations: int) -> float:
+    """The first step whose forward reads the embedding's own copy (untie_at); inf: tied throughout."""
+    return round(config.untie_at * num_iterations) if config.untie_at else math.inf
+
+
 def model_from_checkpoint(path: str, device: torch.device, flag: str = "--checkpoint") -> tuple[GPT, dict]:
     """The model a checkpoint holds (any variant: its config travels with it), and the checkpoint."""
     ckpt = load_checkpoint(path, expected={}, flag=flag)
     model = GPT(GPTConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
+    model.untied = ckpt.get("step", 0) > untie_step(model.config, (ckpt.get("flags") or {}).get("num_iterations", 0))
     return model.to(device), ckpt
 
 
@@ -1565,6 +1580,7 @@ def resume_from(path: str, run: Run) -> list[dict]:
     ckpt = load_checkpoint(path, run.layout)
     run.resume_changes = resumed_flags(ckpt, path, run.flags, run.train_loader.fingerprint())
     run.raw_model.load_state_dict(ckpt["model"])
+    run.raw_model.untied = ckpt["step"] > untie_step(run.config, run.flags.num_iterations)
     run.optimizer.load_state_dict(ckpt["optimizer"])
     torch.set_rng_state(ckpt["rng_cpu"])
     if run.env.device.type == "cuda" and ckpt["rng_cuda"] is not None:
@@ -1601,10 +1617,11 @@ def compile_model(flags: TrainConfig, env: Distributed, raw_model: GPT, compiled
         # A graph per row length and window: their few stages are known, and static shapes compile best.
         model = torch.compile(raw_model, dynamic=False if flags.curriculum_iters or flags.window_iters else None)
     if env.world_size > 1:
-        # A skipped block's parameters get no gradient in that micro-batch: DDP must look for them.
+        # A skipped block's parameters get no gradient in that micro-batch, nor the embedding before it unties:
+        # DDP must look for them.
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-            find_unused_parameters=flags.layerdrop > 0)
+            find_unused_parameters=flags.layerdrop > 0 or raw_model.config.untie_at > 0)
     return model
 
 
@@ -1672,6 +1689,9 @@ def train_step(run: Run, step: int, settings: StepSettings) -> tuple[torch.Tenso
     learning rate, row length, local window, LayerDrop, the later targets' weights) and the sampled softmax's
     draws. Returns the mean next-token loss (a device tensor) and the mean of each auxiliary term the model reports
     (MTP losses, MoE balance and load)."""
+    if step >= untie_step(run.config, run.flags.num_iterations) and not run.raw_model.untied:
+        run.raw_model.untie()
+        run.optimizer.copy_state(run.raw_model.lm_head.weight, run.raw_model.transformer.wte.weight)
     step_loss = torch.zeros((), device=run.env.device)
     aux_means: dict[str, torch.Tensor] = {}
     rows, window = settings.row_length, settings.local_window

@@ -190,3 +190,41 @@ def test_a_run_with_later_targets_trains_on_them_and_logs_the_next_token_loss(sh
             main(tiny_run_args(shards, tmp_path, "bad", "--later_targets", bad))
         assert stop.value.code == 2 and f"argument --later_targets: '{bad}': {why}" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_an_embedding_to_untie_is_the_tied_one_until_it_unties_then_trains_apart():
+    from train_gpt2 import Optimizers
+    idx = torch.randint(0, TINY.vocab_size, (2, 16))
+    losses, grads = [], []
+    for untie_at in (0.0, 0.5):  # the same draws: the separate table is made, then left unused, until the untie
+        torch.manual_seed(0)
+        model = GPT(with_overrides(TINY, untie_at=untie_at))
+        loss = model(idx, idx.roll(-1, 1))[1]
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(model.lm_head.weight.grad)
+    assert torch.equal(losses[0], losses[1]) and torch.equal(grads[0], grads[1])
+    assert model.transformer.wte.weight.grad is None and model.num_params() > GPT(TINY).num_params()
+    optimizer = Optimizers([torch.optim.AdamW(model.parameters(), lr=1e-2)])
+    optimizer.step()  # the head's moments exist, the embedding's not yet
+    model.untie()
+    optimizer.copy_state(model.lm_head.weight, model.transformer.wte.weight)
+    head_state, embed_state = (optimizer.optimizers[0].state[p] for p in (model.lm_head.weight,
+                                                                         model.transformer.wte.weight))
+    assert torch.equal(head_state["exp_avg"], embed_state["exp_avg"])
+    assert head_state["exp_avg"].data_ptr() != embed_state["exp_avg"].data_ptr()  # copies, apart from here
+    assert torch.equal(model.transformer.wte.weight, model.lm_head.weight) and model.untied
+    model.zero_grad()
+    model(idx, idx.roll(-1, 1))[1].backward()
+    optimizer.step()
+    assert not torch.equal(model.transformer.wte.weight, model.lm_head.weight)  # each from its own gradient
+
+
+def test_a_checkpoint_after_the_untie_loads_with_the_embeddings_own_copy(shards, tmp_path):
+    assert main(tiny_run_args(shards, tmp_path, "untie", "--untie_at", "0.5", "--save_every", "3")) == 0
+    model, _ = model_from_checkpoint(str(tmp_path / "untie" / "ckpt_000006.pt"), torch.device("cpu"))
+    assert model.untied and not torch.equal(model.transformer.wte.weight, model.lm_head.weight)
+    idx = torch.randint(0, 64, (1, 32))
+    tied_reading = model.eval()(idx, idx)[1]
+    model.untied = False
+    assert tied_reading != model(idx, idx)[1]  # the embedding's own copy is what the run ended with
