@@ -610,12 +610,16 @@ def plot(by_budget: dict[float, dict[str, list[float]]], fineweb: dict[str, floa
         result = calibration(losses, fineweb)
         line = sorted(losses.values())
         axis.plot(line, [math.exp(result["a"] + result["b"] * x) / 1e9 for x in line], color="gray", linewidth=1)
-        for label, loss in losses.items():
+        key = []  # points are numbered by loss, named beside the panel: close points' names would overlap
+        for number, (label, loss) in enumerate(sorted(losses.items(), key=lambda item: item[1]), start=1):
             known = label in fineweb
             tokens = (fineweb[label] if known else result["predicted"][label]) / 1e9
-            axis.plot(loss, tokens, "o", color="black" if known else "tab:red", fillstyle="full" if known else "none")
-            axis.annotate(label, (loss, tokens), fontsize=7, xytext=(4, 2 if known else -10),  # the fit's below
-                          textcoords="offset points", color="black" if known else "tab:red")
+            color = "black" if known else "tab:red"
+            axis.plot(loss, tokens, "o", color=color, fillstyle="full" if known else "none")
+            axis.annotate(str(number), (loss, tokens), fontsize=7, xytext=(4, -3), textcoords="offset points",
+                          color=color)
+            key.append(f"{number:>2} {label} {tokens:.2f}B" + ("" if known else " (the fit)"))
+        axis.text(1.03, 1.0, "\n".join(key), transform=axis.transAxes, va="top", fontsize=7, family="monospace")
         axis.set_yscale("log")
         axis.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
         axis.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
@@ -625,7 +629,7 @@ def plot(by_budget: dict[float, dict[str, list[float]]], fineweb: dict[str, floa
                        fontsize=9)
         axis.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the key beside each panel included
     plt.close(fig)
 
 

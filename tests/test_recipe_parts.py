@@ -228,3 +228,18 @@ def test_a_checkpoint_after_the_untie_loads_with_the_embeddings_own_copy(shards,
     tied_reading = model.eval()(idx, idx)[1]
     model.untied = False
     assert tied_reading != model(idx, idx)[1]  # the embedding's own copy is what the run ended with
+
+
+def test_the_later_targets_of_a_grouped_sample_are_scored_group_by_group():
+    from train_gpt2 import SoftmaxSample, with_later_targets
+    torch.manual_seed(1)
+    targets, weights, draws = torch.randint(0, 40, (4, 8)), torch.tensor([1.0, 0.3]), torch.rand(2, 64)
+    scored = with_later_targets(targets, 1)  # (4, 8, 2): rows 0-1 one group, rows 2-3 the other
+    model = GPT(with_overrides(TINY, vocab_size=64, fused_kernels=True))
+    h = torch.randn(4, 8, TINY.n_embd)
+    objective, loss = model.head_loss(h, scored, sample=SoftmaxSample(40, draws, torch.zeros(64)), weights=weights)
+    halves = [model.head_loss(h[rows], scored[rows], sample=SoftmaxSample(40, draws[k], torch.zeros(64)),
+                              weights=weights) for k, rows in enumerate((slice(0, 2), slice(2, 4)))]
+    torch.testing.assert_close(objective, (halves[0][0] + halves[1][0]) / 2)
+    torch.testing.assert_close(loss, (halves[0][1] + halves[1][1]) / 2)
+    assert objective > loss  # the later target's term on top of the next token's
