@@ -4,7 +4,7 @@
     python scripts/calibrate.py prepare RECORD_DIR --budget 100M --data DIR --out FILE
     python scripts/calibrate.py run RECORD_DIR --budget 100M --data DIR --work DIR [--gpu N]
     python scripts/calibrate.py table --fineweb FILE LABEL=RUN_DIR [LABEL=RUN_DIR ...] [--plot PNG]
-        [--batch_pair BEFORE:AFTER ...] [--batch_correct OWN:REFERENCE ...]
+        [--batch_pair BEFORE:AFTER ...] [--batch_correct OWN:REFERENCE ...] [--anchor LABEL=TOKENS]
 
 A record is a folder of modded-nanogpt's records/track_1_short/ (or its sub-folder of one variant): each log begins
 with the record's complete training code, then its FineWeb validation curve as `step:N/M val_loss:X` lines (8 GPUs;
@@ -531,11 +531,13 @@ def mean_losses(runs: dict[str, list[float]]) -> dict[str, float]:
 
 
 def table(by_budget: dict[float, dict[str, list[float]]], fineweb: dict[str, float],
-          batch_pairs: list[tuple[str, str]] = (), corrections: list[tuple[str, str]] = ()) -> str:
+          batch_pairs: list[tuple[str, str]] = (), corrections: list[tuple[str, str]] = (),
+          anchor: tuple[str, float] | None = None) -> str:
     """Per budget: the fit, then each label's proxy loss (the mean of its runs), its FineWeb tokens, the fit's
     reading and its error left out; the widest spread of one label's runs, in FineWeb tokens by the fit; how many
     times the fit exaggerates each batch pair's effect, and the labels read at their own batch corrected by the
-    pairs' mean factor (each `own` label against its `reference` label)."""
+    pairs' mean factor (each `own` label against its `reference` label). With an anchor (a label and its FineWeb
+    tokens known apart from the records), the readings again at the anchor's level (anchored_line)."""
     lines = []
     for budget, runs in sorted(by_budget.items()):
         losses = mean_losses(runs)
@@ -555,9 +557,24 @@ def table(by_budget: dict[float, dict[str, list[float]]], fineweb: dict[str, flo
             widest = max(spreads, key=spreads.get)
             lines.append(f"  runs of one label differ by up to {spreads[widest]:.4f} ({widest}): "
                          f"x{math.exp(result['b'] * spreads[widest]):.2f} in FineWeb tokens by the fit")
-        lines += low_end_lines(result, losses, fineweb) + batch_lines(result, losses, fineweb, batch_pairs,
-                                                                      corrections)
+        scale = anchor[1] / result["predicted"][anchor[0]] if anchor and anchor[0] in losses else None
+        lines += low_end_lines(result, losses, fineweb) + anchored_line(result, losses, fineweb, anchor, scale)
+        lines += batch_lines(result, losses, fineweb, batch_pairs, corrections, scale)
     return "\n".join(lines)
+
+
+def anchored_line(result: dict, losses: dict[str, float], fineweb: dict[str, float], anchor: tuple[str, float] | None,
+                  scale: float | None) -> list[str]:
+    """The readings of the labels without FineWeb tokens at the anchor's level: the fit's slope, its line moved to
+    pass through the anchor's known tokens (for recipes of another family than the records', e.g. AdamW ones
+    anchored at d12's 2.5B, which the records' line misreads)."""
+    if scale is None:
+        return []
+    readings = [f"{label} {result['predicted'][label] * scale / 1e9:.2f}B"
+                for label, _ in sorted(losses.items(), key=lambda item: item[1])
+                if label not in fineweb and label != anchor[0]]
+    return [f"  anchored at {anchor[0]} = {anchor[1] / 1e9:.2f}B (the fit reads it "
+            f"{result['predicted'][anchor[0]] / 1e9:.2f}B: every reading x{scale:.2f}): {', '.join(readings)}"]
 
 
 LOW_END = 0.5e9  # FineWeb tokens: the records below it are checked against a line of their own
@@ -575,8 +592,8 @@ def low_end_lines(result: dict, losses: dict[str, float], fineweb: dict[str, flo
             f"of all, x{own['typical_error']:.2f} on their own (slope {own['b']:.2f} against {result['b']:.2f})"]
 
 
-def batch_lines(result: dict, losses: dict[str, float], fineweb: dict[str, float], batch_pairs, corrections
-                ) -> list[str]:
+def batch_lines(result: dict, losses: dict[str, float], fineweb: dict[str, float], batch_pairs, corrections,
+                scale: float | None = None) -> list[str]:
     """The table's lines on batch: each pair's exaggeration, then each correction by the pairs' geometric mean."""
     pairs = [pair for pair in batch_pairs if all(label in losses and label in fineweb for label in pair)]
     factors = [batch_exaggeration(result, losses, fineweb, pair) for pair in pairs]
@@ -590,9 +607,10 @@ def batch_lines(result: dict, losses: dict[str, float], fineweb: dict[str, float
     factor = math.exp(statistics.fmean(math.log(f) for f in factors))
     for own, reference in corrections:
         if own in losses and reference in losses:
+            corrected = batch_corrected(result, losses, own, reference, factor)
             lines.append(f"  {own}, batch-corrected from {reference} ({factor:.1f} times): "
-                         f"{batch_corrected(result, losses, own, reference, factor) / 1e9:.2f}B FineWeb tokens "
-                         f"(uncorrected {result['predicted'][own] / 1e9:.2f}B)")
+                         f"{corrected / 1e9:.2f}B FineWeb tokens (uncorrected {result['predicted'][own] / 1e9:.2f}B"
+                         + (f"; anchored {corrected * scale / 1e9:.2f}B)" if scale else ")"))
     return lines
 
 
@@ -660,6 +678,16 @@ def label_pair(text: str) -> tuple[str, str]:
     return first, second
 
 
+def anchor_spec(text: str) -> tuple[str, int]:
+    label, _, tokens = text.partition("=")
+    try:
+        if label and tokens:
+            return label, parse_tokens(tokens)
+    except InputError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected LABEL=TOKENS, e.g. d12_P100=2.5B, got {text!r}")
+
+
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -686,6 +714,9 @@ def main(argv=None) -> int:
     tab.add_argument("--batch_correct", action="append", default=[], type=label_pair, metavar="OWN:REFERENCE",
                      help="a label at its own batch and at a reference batch inside the calibration: its FineWeb "
                           "tokens with the batch effect shrunk by the pairs' factor")
+    tab.add_argument("--anchor", default=None, type=anchor_spec, metavar="LABEL=TOKENS",
+                     help="a label whose FineWeb tokens are known apart from the records (e.g. d12_P100=2.5B): "
+                          "the readings again with the fit's line through it")
     args = p.parse_args(argv)
     return report_input_errors(lambda: dispatch(args))
 
@@ -711,7 +742,7 @@ def dispatch(args) -> int:
                 raise InputError(f"{item!r}: expected LABEL=RUN_DIR")
             pairs.append((label, run_dir))
         by_budget = final_losses(pairs)
-        print(table(by_budget, public, args.batch_pair, args.batch_correct))
+        print(table(by_budget, public, args.batch_pair, args.batch_correct, args.anchor))
         if args.plot:
             plot(by_budget, public, args.plot)
             print(f"plot: {args.plot}")

@@ -237,9 +237,19 @@ def test_the_table_groups_runs_by_budget_and_averages_a_labels_seeds(tmp_path, c
     fit_r0 = math.log(1e9) + (math.log(2) + math.log(3)) / 3 - math.log(3) / 2  # the mean, less the slope x 0.1
     corrected = math.exp(fit_r0 + math.log(3) / 0.2 * -0.1 / factor)
     assert f"ours, batch-corrected from r0 ({factor:.1f} times): {corrected / 1e9:.2f}B FineWeb tokens" in out
-    with pytest.raises(SystemExit) as stop:
-        calibrate.main(["table", "--fineweb", str(tmp_path / "fineweb.json"), *runs, "--batch_pair", "r1"])
-    assert stop.value.code == 2 and "expected two labels as FIRST:SECOND, got 'r1'" in capsys.readouterr().err
+    # Anchored at r0 = 4B: the fit's line moved through it, every reading times 4B over the fit's reading of r0.
+    assert calibrate.main(["table", "--fineweb", str(tmp_path / "fineweb.json"), *runs, "--batch_pair", "r1:r2",
+                           "--batch_correct", "ours:r0", "--anchor", "r0=4B"]) == 0
+    out, scale = capsys.readouterr().out, 4e9 / math.exp(fit_r0)
+    ours = math.exp(fit_r0 + math.log(3) / 0.2 * -0.1)  # the fit's own reading of ours, 0.1 below r0
+    assert f"anchored at r0 = 4.00B (the fit reads it {math.exp(fit_r0) / 1e9:.2f}B: every reading x{scale:.2f}): " \
+           f"ours {ours * scale / 1e9:.2f}B" in out
+    assert f"(uncorrected {ours / 1e9:.2f}B; anchored {corrected * scale / 1e9:.2f}B)" in out
+    for bad, expected in ((["--batch_pair", "r1"], "expected two labels as FIRST:SECOND, got 'r1'"),
+                          (["--anchor", "r0"], "expected LABEL=TOKENS, e.g. d12_P100=2.5B, got 'r0'")):
+        with pytest.raises(SystemExit) as stop:
+            calibrate.main(["table", "--fineweb", str(tmp_path / "fineweb.json"), *runs, *bad])
+        assert stop.value.code == 2 and expected in capsys.readouterr().err
 
 
 def test_the_glob_that_replaces_a_records_relative_only_one_reads_absolute_patterns(tmp_path):
