@@ -79,6 +79,10 @@ class TrainConfig:
                 "glob of training shards, read in sorted order (get them: python data/fineweb.py)")
     input_val_bin: str = flag("data", "data/fineweb10B/fineweb_val_*.bin",
                 "glob of validation shards; the first --val_tokens tokens of the first one are scored")
+    document_rows: bool = flag("data", False,
+                "every training row begins at a document's first token (<|endoftext|>): each row at the first "
+                "document start after the previous one ends, a document's tail past its row's end skipped",
+                action="store_true")
     val_tokens: int = flag("data", NOCAP_VAL_TOKENS,
                 "validation tokens per evaluation; keep the default to compare with NoCap-Test")
 

@@ -1068,6 +1068,52 @@ class TokenLoader:
         return batch
 
 
+def document_row_starts(tokens: np.ndarray, T: int, doc_token: int) -> np.ndarray:
+    """Where rows of T tokens (and one more, the last target) begin when each begins at a document's first token:
+    each at the first document start at or after the previous row's end, so a document's tail past its row's end
+    is skipped, and a document longer than a row is cut to it."""
+    firsts, starts, i = np.flatnonzero(tokens == doc_token), [], 0
+    while i < len(firsts) and firsts[i] + T < len(tokens):
+        starts.append(firsts[i])
+        i = np.searchsorted(firsts, firsts[i] + T)
+    return np.array(starts, dtype=np.int64)
+
+
+class DocumentRowLoader(TokenLoader):
+    """TokenLoader's walk with every row beginning at a document's first token, <|endoftext|> (--document_rows;
+    BOS-aligned rows, as modded-nanogpt's loaders since 2025-07): a shard's rows are laid by document_row_starts,
+    and in round k rank r takes rows (k*world + r)*B on, B of them; a shard is left as soon as the next round
+    would not fit. The position is the index of this process's first row."""
+
+    def __init__(self, *args, doc_token: int, **kwargs):
+        self.doc_token, self.row_starts = doc_token, []  # row_starts[shard]: filled by _check_room, shard by shard
+        super().__init__(*args, **kwargs)
+
+    def _check_room(self, shard: int):
+        super()._check_room(shard)
+        tokens = np.memmap(self.files[shard], np.uint16, "r", HEADER_BYTES, (self.shard_tokens[shard],))
+        self.row_starts.append(document_row_starts(tokens, self.T, self.doc_token))
+        if len(self.row_starts[shard]) < self.world_size * self.B:
+            raise InputError(f"{self.files[shard]}: {len(self.row_starts[shard])} rows of {self.T} begin at a document "
+                             f"start (token {self.doc_token}), fewer than one round (world_size*B = "
+                             f"{self.world_size * self.B}); --document_rows needs shards of whole documents")
+
+    def _first_position(self) -> int:
+        return self.rank * self.B
+
+    def _advance(self, shard: int, position: int) -> tuple[int, int]:
+        round_rows = self.world_size * self.B
+        next_round = position - self.rank * self.B + round_rows  # the same on every process
+        if next_round + round_rows > len(self.row_starts[shard]):
+            return (shard + 1) % len(self.files), self._first_position()
+        return shard, next_round + self.rank * self.B
+
+    def _read_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = self.row_starts[self.shard][self.position: self.position + self.B]
+        rows = tokens_to_device(np.stack([self.tokens[s: s + self.T + 1] for s in starts]), self.device)
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
 class ValidationSet:
     """The first `val_tokens` (+1 for the last target) tokens of the first validation shard as rows of T tokens,
     in rounds of `val_batch_size` rows per process: in round k rank r scores the rows from (k*world + r)*B on,
@@ -1530,7 +1576,9 @@ def open_data(flags: TrainConfig, config: GPTConfig, env: Distributed
     """The training loader, the validation rows, and (where those are longer) the same tokens in NoCap's
     1024-token rows: NoCap scores 1024-token rows, longer ones give most tokens more context, both are reported."""
     B, T = flags.batch_size, flags.sequence_length
-    train_loader = TokenLoader(flags.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
+    loader = dict(doc_token=config.doc_token) if flags.document_rows else {}
+    train_loader = (DocumentRowLoader if flags.document_rows else TokenLoader)(
+        flags.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device, **loader)
     val = ValidationSet(flags.input_val_bin, flags.val_tokens, flags.val_batch_size, flags.val_row_length, env.rank,
                         env.world_size, config.vocab_size, env.device)
     nocap_val = None

@@ -174,7 +174,8 @@ def test_total_batch_size_derives_accumulation(tmp_path, shards, capsys):
 @pytest.mark.parametrize("optimizer", ["adamw", "muon", "lion", "adamw8bit", "soap --soap_update_every 3",
                                        "muon --normuon_beta2 0.95 --cautious_weight_decay 1.2",
                                        "adamw --sampled_softmax 64",
-                                       "muon --untie_at 0.375", "adamw --untie_at 0.75"])  # untied before / after 4
+                                       "muon --untie_at 0.375", "adamw --untie_at 0.75",  # untied before / after 4
+                                       "adamw --document_rows"])
 def test_resume_from_a_periodic_checkpoint_gives_the_uninterrupted_losses(tmp_path, shards, capsys, monkeypatch,
                                                                            optimizer):
     import train_gpt2
