@@ -1818,6 +1818,20 @@ def warm_up_steps(schedule: Schedule) -> list[int]:
     return [step for step in steps for _ in range(3)]
 
 
+def warm_up_evaluation(run: Run, untied_states: tuple[bool, ...]):
+    """The evaluation graphs, each in its precision, with the embedding in each state the run evaluates it in."""
+    run.eval_model.eval()
+    with torch.no_grad():
+        for untied in untied_states:
+            run.raw_model.untied = untied
+            for val, dtype in ((run.val, run.flags.val_dtype), (run.nocap_val, run.schedule.nocap_rows_dtype),
+                               (run.val if run.schedule.scouts else None, "bf16")):
+                for x, y in val.shapes() if val is not None else ():
+                    with precision(run.env.device, dtype):
+                        run.eval_model(x, y, return_logits=False)
+    run.eval_model.train()
+
+
 def warm_up_compile(run: Run) -> float:
     """Run a few real training steps and one evaluation so torch.compile builds every graph on the real
     shapes, then put model, optimizer and data back exactly as they were. Returns the seconds spent."""
@@ -1830,8 +1844,10 @@ def warm_up_compile(run: Run) -> float:
                                     for state in (run.raw_model.state_dict(), run.optimizer.state_dict()))
     batches_drawn, shard, position = loader.batches_drawn, loader.shard, loader.position
     breaks_before = graph_breaks()
+    # The embedding's untie later in the run reads another table: a graph of its own, built here too.
+    tied, untie = not run.raw_model.untied, untie_step(run.config, run.flags.num_iterations)
     try:
-        for step in warm_up_steps(run.schedule):
+        for step in warm_up_steps(run.schedule) + ([untie] * 2 if tied and untie < math.inf else []):
             train_step(run, step, run.schedule.at(step)._replace(lr_scale=1.0))
     except torch.OutOfMemoryError:  # the first place a micro-batch too large for the GPU shows
         raise out_of_memory("in the compile warm-up's training steps", loader.B, loader.T) from None
@@ -1847,14 +1863,9 @@ def warm_up_compile(run: Run) -> float:
     if breaks:  # what a new flag most easily costs: a separately compiled piece and a host round trip each
         notice(f"torch.compile split the training step at {breaks} graph break(s); TORCH_LOGS=graph_breaks "
                f"names them")
-    run.eval_model.eval()
-    with torch.no_grad():  # the evaluation graphs, each in its precision
-        for val, dtype in ((run.val, run.flags.val_dtype), (run.nocap_val, run.schedule.nocap_rows_dtype),
-                           (run.val if run.schedule.scouts else None, "bf16")):
-            for x, y in val.shapes() if val is not None else ():
-                with precision(run.env.device, dtype):
-                    run.eval_model(x, y, return_logits=False)
-    run.eval_model.train()
+    pending = tied and untie < math.inf
+    warm_up_evaluation(run, (False, True) if pending else (run.raw_model.untied,))
+    run.raw_model.untied = not tied
     run.raw_model.load_state_dict(model_state)
     run.optimizer.load_state_dict(optimizer_state)
     loader._set_position(shard, position)

@@ -187,7 +187,8 @@ def test_the_document_row_walk_hands_out_whole_rounds_of_aligned_rows(tmp_path, 
 
 def test_a_shard_without_enough_document_starts_is_refused_by_name(tmp_path):
     train_glob, _ = make_shards(tmp_path, n_train=1, train_tokens=3000)
-    with pytest.raises(InputError, match=r"syn_train_000001.bin: 0 rows of 16 begin at a document start \(token 7000\)"):
+    expected = r"syn_train_000001.bin: 0 rows of 16 begin at a document start \(token 7000\)"
+    with pytest.raises(InputError, match=expected):
         DocumentRowLoader(train_glob, 2, 16, 0, 1, 256, CPU, doc_token=7000)
 
 

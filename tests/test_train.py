@@ -310,6 +310,18 @@ def test_nothing_compiles_after_the_warm_up_under_layerdrop(tmp_path, shards, ca
     assert counter.frame_count == after_warm_up[0]
 
 
+def test_nothing_compiles_after_the_warm_up_when_the_embedding_unties(tmp_path, shards, capsys, monkeypatch):
+    # The untie changes which table the embedding reads: a graph of its own, built in the warm-up, not in a timed
+    # step; and the warm-up leaves the model tied, as the run's first step needs it.
+    counter, after_warm_up = count_compiles(monkeypatch)
+    code, _, _ = run(capsys, shards, tmp_path, "run", "--compile", "--untie_at", "0.5")
+    assert code == 0 and after_warm_up[0] > 0
+    assert counter.frame_count == after_warm_up[0]
+    straight = train_losses(tmp_path / "run")
+    assert run(capsys, shards, tmp_path, "eager", "--untie_at", "0.5")[0] == 0
+    assert train_losses(tmp_path / "eager") == pytest.approx(straight, rel=1e-5)
+
+
 def _start_long_run(shards, out, name, *extra):
     cmd = [sys.executable, str(REPO / "train_gpt2.py"),
            *tiny_run_args(shards, out, name, "--num_iterations", "400", "--val_loss_every", "100", *extra)]
