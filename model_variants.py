@@ -103,6 +103,10 @@ class GPTConfig:
     # last time this came". Offered in the dims rotary turns slowest (modded-nanogpt's partial key offset, 2025-12).
     key_offset: bool = knob(False, "the global layers' keys take the slowest-turning quarter of their rotary pairs "
                                    "from the position before")
+    # Two heads that read each other's keys see twice the context for one head's cost in keys: a pair's tokens
+    # interleaved into one row twice as long, rotary turning by that row's positions (modded-nanogpt, 2026-01).
+    paired_heads: str = knob("", "blocks whose attention heads attend in pairs, e.g. 0,2,5,9: heads 2i and 2i+1 "
+                                 "read each other's keys too, causally, over their tokens interleaved")
     # Which token came before is what the first layers must otherwise work out: a table of hashed (previous,
     # current) token pairs gives it to every block's input (modded-nanogpt's bigram hash embedding, 2026-01).
     bigram_table: int = knob(0, "> 0: rows of a table indexed by a hash of each (previous, current) token pair, "
@@ -151,8 +155,24 @@ class GPTConfig:
         if not self.window_pattern or set(self.window_pattern) - {"L", "G", "S"}:
             raise ValueError(f"window_pattern={self.window_pattern!r} must be made of L, G and S, e.g. LLLG")
 
+    def _check_pairs(self):
+        """paired_heads: blocks that exist and attend, in even numbers of full heads, nothing that reads their
+        heads or positions as one block would."""
+        try:
+            layers = self.paired_layers
+        except ValueError:
+            raise ValueError(f"paired_heads={self.paired_heads!r}: pass block numbers separated by commas, "
+                             "e.g. 0,2,5,9") from None
+        if any(not 0 <= i < self.n_layer or self.layer_kind(i) == "S" for i in layers):
+            raise ValueError(f"paired_heads={self.paired_heads!r}: name attention blocks among 0..{self.n_layer - 1}")
+        if layers and (self.n_head % 2 or self.kv_heads != self.n_head or self.kv_lora_rank or self.doc_mask
+                       or self.key_offset):
+            raise ValueError("paired_heads interleaves pairs of full heads: it needs an even n_head, n_kv_head 0 "
+                             "or n_head, and no kv_lora_rank, doc_mask or key_offset")
+
     def _check_combinations(self):
         """Fields that rule each other out or bound each other."""
+        self._check_pairs()
         if self.key_offset and self.kv_lora_rank:
             raise ValueError("key_offset shifts the heads' rotary dims; latent attention (kv_lora_rank) turns only "
                              "a decoupled part: pass one of them")
@@ -225,6 +245,11 @@ class GPTConfig:
         if layer >= self.n_layer - self.value_embeds:
             return layer - (self.n_layer - self.value_embeds)
         return None
+
+    @property
+    def paired_layers(self) -> frozenset:
+        """The blocks of paired_heads."""
+        return frozenset(int(i) for i in self.paired_heads.split(",")) if self.paired_heads else frozenset()
 
     def layer_kind(self, layer: int) -> str:
         """A block's token mixer: "L" local attention, "G" global attention, "S" the spectral mixer."""

@@ -206,6 +206,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], dim=-1)
 
 
+def pair_heads(t: torch.Tensor) -> torch.Tensor:
+    """(B, T, H, D) -> (B, 2T, H/2, D): heads 2i and 2i+1 as one head whose row holds their tokens interleaved,
+    (t, 2i) at position 2t and (t, 2i+1) at 2t + 1 (GPTConfig.paired_heads)."""
+    B, T, H, D = t.shape
+    return t.view(B, T, H // 2, 2, D).transpose(2, 3).reshape(B, 2 * T, H // 2, D)
+
+
+def unpair_heads(y: torch.Tensor) -> torch.Tensor:
+    """pair_heads undone on attention's output: (B, H/2, 2T, D) -> (B, H, T, D)."""
+    B, pairs, T2, D = y.shape
+    return y.view(B, pairs, T2 // 2, 2, D).transpose(2, 3).reshape(B, 2 * pairs, T2 // 2, D)
+
+
 def offset_keys(k: torch.Tensor) -> torch.Tensor:
     """Keys (B, T, heads, head_dim) whose slowest-turning quarter of rotary pairs (dims D/4..D/2 and 3D/4..D of the
     half-split layout) is the previous position's; position 0 keeps its own (GPTConfig.key_offset)."""
@@ -351,6 +364,7 @@ class Attention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.config, self.layer, self.window = config, layer, config.layer_window(layer)
+        self.paired = layer in config.paired_layers  # q, k, v come in pair_heads' layout
         # The attention gate (GPTConfig.attn_gate): per head, from the first attn_gate channels of the input.
         self.gate = nn.Linear(config.attn_gate, config.n_head, bias=False) if config.attn_gate else None
         if self.gate is not None:
@@ -361,9 +375,13 @@ class Attention(nn.Module):
         (normed) input, which the attention gate reads."""
         c, masking = self.config, masking or Masking()
         window = masking.window(self.window)
-        y = causal_attention(q, k, v, c.attn_impl, window, masking.block_masks and masking.block_masks[window],
-                             c.chunked_windows, masking.docs, c.fused_kernels)
-        B, _, T, _ = q.shape
+        if self.paired:  # a pair's rows are twice as long: so are its window and its (cached) block mask
+            y = unpair_heads(causal_attention(q, k, v, c.attn_impl, 2 * window, None, c.chunked_windows,
+                                              None, c.fused_kernels))
+        else:
+            y = causal_attention(q, k, v, c.attn_impl, window, masking.block_masks and masking.block_masks[window],
+                                 c.chunked_windows, masking.docs, c.fused_kernels)
+        B, _, T, _ = y.shape
         y = y.transpose(1, 2)  # (B, T, n_head, head_dim)
         if self.gate is not None:
             y = y * torch.sigmoid(self.gate(x[..., :c.attn_gate])).unsqueeze(-1).to(y.dtype)
@@ -396,7 +414,10 @@ class CausalSelfAttention(Attention):
         k = k.view(B, T, c.kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = rms_norm(q), rms_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.paired:  # rotary turns by the interleaved row's positions
+            q, k = pair_heads(q), pair_heads(k)
+        n = q.size(1)
+        q, k = apply_rotary(q, cos[:, :n], sin[:, :n]), apply_rotary(k, cos[:, :n], sin[:, :n])
         if c.key_offset and self.window == 0:
             k = offset_keys(k)
         v = v.view(B, T, c.kv_heads, c.head_dim)
@@ -405,6 +426,7 @@ class CausalSelfAttention(Attention):
         if self.ve_mix is not None:
             v = self.ve_mix[0] * v + self.ve_mix[1] * ve.view_as(v).to(v.dtype)  # the table is fp32 under autocast
         values = v
+        v = pair_heads(v) if self.paired else v
         return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking, x), values
 
 
@@ -677,7 +699,7 @@ class GPT(nn.Module):
         # targets are only ever targets, so nothing from the future reaches the next-token prediction.
         self.mtp_proj = nn.ModuleList([nn.Linear(config.n_embd, config.n_embd, bias=False)
                                        for _ in range(config.mtp_k)])
-        self.rotary = Rotary(config.rotary_dim, config.block_size)
+        self.rotary = Rotary(config.rotary_dim, config.block_size * (2 if config.paired_layers else 1))
         # Bigram table: row bigram_rows(previous, current) joins block i's input times bigram_gains[i]. Made last,
         # so that the other weights draw the same initial values with it or without it; it starts at zero.
         self.bigram_embed = nn.Embedding(config.bigram_table, config.n_embd) if config.bigram_table else None
@@ -793,7 +815,7 @@ class GPT(nn.Module):
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size {self.config.block_size}")
-        cos, sin = self.rotary(T)
+        cos, sin = self.rotary(T * (2 if self.config.paired_layers else 1))  # paired heads' rows are twice as long
         x = self.embed(idx)
         if token_keep is not None:
             x, idx = with_tokens_dropped(x, idx, token_keep, self.embed, self.config.doc_token)
@@ -1302,14 +1324,15 @@ def flops_per_token(model: GPT, seq_len: int, sample: torch.Tensor | None = None
     layer, T the range a token attends over: a local layer's window (local_window, the warmup's, if not 0), and
     under doc_mask the mean range within documents over `sample` (rows of seq_len training tokens). head_columns
     other than 0: the head scores that many columns (the sampled softmax's), not the vocabulary. A spectral
-    layer's FFTs (O(log T) per channel) are not counted."""
+    layer's FFTs (O(log T) per channel) are not counted; a paired layer's queries see both heads' keys: twice T."""
     c = model.config
-    windows = [Masking(local_window).window(c.layer_window(layer)) for layer in range(c.n_layer)
-               if c.layer_kind(layer) != "S"]
+    layers = [layer for layer in range(c.n_layer) if c.layer_kind(layer) != "S"]
+    windows = [Masking(local_window).window(c.layer_window(layer)) for layer in layers]
     if c.doc_mask and sample is not None:
         spans = (mean_attention_span(sample, window, c.chunked_windows, c.doc_token) for window in windows)
     else:
-        spans = (min(window or seq_len, seq_len) for window in windows)
+        spans = (min(window or seq_len, seq_len) * (2 if layer in c.paired_layers else 1)
+                 for layer, window in zip(layers, windows))
     head_skipped = c.vocab_size - head_columns if head_columns else 0
     return 6 * (model.matmul_params() - head_skipped * c.n_embd) + 12 * sum(spans) * c.n_embd
 

@@ -243,3 +243,63 @@ def test_the_later_targets_of_a_grouped_sample_are_scored_group_by_group():
     torch.testing.assert_close(objective, (halves[0][0] + halves[1][0]) / 2)
     torch.testing.assert_close(loss, (halves[0][1] + halves[1][1]) / 2)
     assert objective > loss  # the later target's term on top of the next token's
+
+
+def test_paired_heads_interleave_two_heads_tokens_and_undo_it():
+    from train_gpt2 import pair_heads, unpair_heads
+    t = torch.randn(2, 5, 6, 3)  # (B, T, H, D)
+    paired = pair_heads(t)
+    assert paired.shape == (2, 10, 3, 3)
+    assert torch.equal(paired[:, 2 * 4 + 1, 2], t[:, 4, 5]) and torch.equal(paired[:, 2 * 4, 2], t[:, 4, 4])
+    assert torch.equal(unpair_heads(paired.transpose(1, 2)), t.transpose(1, 2))
+
+
+@pytest.mark.parametrize("impl, window", [("manual", 0), ("sdpa", 0), ("flex", 0), ("sdpa", 4), ("manual", 4)])
+def test_a_paired_layer_attends_over_both_heads_tokens_interleaved(impl, window):
+    # By hand: for heads 2i and 2i+1, one row of 2T tokens, (t, 2i) at 2t and (t, 2i+1) at 2t + 1, rotary by
+    # those positions, causal (within aligned blocks of twice the window), then back to (T, heads).
+    from train_gpt2 import apply_rotary
+    torch.manual_seed(0)
+    config = with_overrides(TINY, paired_heads="0", attn_impl=impl, qk_norm=False, window=window,
+                            window_pattern="L", window_kind="chunked")
+    model = GPT(config)
+    attention, (B, T, H, D) = model.transformer.h[0].attn, (2, 8, config.n_head, config.head_dim)
+    x = torch.randn(B, T, config.n_embd)
+    cos, sin = model.rotary(2 * T)
+    with torch.no_grad():
+        got, _ = attention(x, cos, sin)
+        q, k, v = (t.view(B, T, H, D) for t in attention.c_attn(x).split(config.n_embd, dim=2))
+        outputs = torch.empty(B, T, H, D)
+        positions = torch.arange(2 * T)
+        allowed = positions[:, None] >= positions[None, :]
+        if window:
+            allowed &= positions[:, None] // (2 * window) == positions[None, :] // (2 * window)
+        for pair in range(H // 2):
+            rows = [torch.stack([t[:, s, 2 * pair + member] for s in range(T) for member in (0, 1)], dim=1)
+                    for t in (q, k, v)]  # (B, 2T, D) each
+            q2, k2 = (apply_rotary(r[:, :, None], cos, sin)[:, :, 0] for r in rows[:2])
+            scores = (q2 @ k2.transpose(1, 2) / math.sqrt(D)).masked_fill(~allowed, float("-inf"))
+            y = scores.softmax(-1) @ rows[2]
+            for member in (0, 1):
+                outputs[:, :, 2 * pair + member] = y[:, member::2]
+        expected = attention.c_proj(outputs.reshape(B, T, config.n_embd))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_paired_heads_are_refused_where_they_cannot_pair():
+    for changes, message in ((dict(paired_heads="0,x"), "pass block numbers separated by commas"),
+                             (dict(paired_heads="2"), "name attention blocks among 0..1"),
+                             (dict(paired_heads="0", n_kv_head=2), "needs an even n_head, n_kv_head 0 or n_head"),
+                             (dict(paired_heads="1", key_offset=True), "no kv_lora_rank, doc_mask or key_offset")):
+        with pytest.raises(ValueError, match=message):
+            with_overrides(TINY, **changes)
+
+
+def test_a_run_with_paired_heads_trains_and_counts_their_longer_rows(shards, tmp_path):
+    from train_gpt2 import flops_per_token
+    plain, paired = GPT(TINY), GPT(with_overrides(TINY, paired_heads="1"))
+    assert flops_per_token(paired, 32) - flops_per_token(plain, 32) == 12 * 32 * TINY.n_embd  # one layer, 2T
+    assert main(tiny_run_args(shards, tmp_path, "paired", "--paired_heads", "0,1")) == 0
+    assert main(tiny_run_args(shards, tmp_path, "plain")) == 0
+    final = [read_metrics(tmp_path / name)[-1]["val_loss"] for name in ("paired", "plain")]
+    assert math.isfinite(final[0]) and final[0] != final[1]
