@@ -83,6 +83,9 @@ class TrainConfig:
                 "every training row begins at a document's first token (<|endoftext|>): each row at the first "
                 "document start after the previous one ends, a document's tail past its row's end skipped",
                 action="store_true")
+    longest_document: int = flag("data", 0,
+                "with --document_rows: each document cut to its first this many tokens before the rows are laid, "
+                "its tail skipped (e.g. 2048; 0: only a row's end cuts one)")
     val_tokens: int = flag("data", NOCAP_VAL_TOKENS,
                 "validation tokens per evaluation; keep the default to compare with NoCap-Test")
 
@@ -268,6 +271,9 @@ class TrainConfig:
         """This config, checked against itself and its model (InputError names the flag and the fix); a sampled
         softmax as large as the vocabulary becomes the full softmax (a recipe's, under a smaller --vocab_size)."""
         self.check_flags()
+        if self.longest_document < 0 or (self.longest_document and not self.document_rows):
+            raise InputError(f"--longest_document {self.longest_document}: a number of tokens >= 1 that cuts the "
+                             "documents of --document_rows; pass --document_rows with it (0: off)")
         self.check_window_warmup(config)
         return self.check_sampled_softmax(config)
 

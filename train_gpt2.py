@@ -1023,8 +1023,12 @@ class TokenLoader:
 
     def _set_position(self, shard: int, position: int):
         if getattr(self, "shard", None) != shard:
-            self.tokens = load_shard(self.files[shard], self.vocab_size)
+            self.tokens = self._walked_tokens(load_shard(self.files[shard], self.vocab_size))
         self.shard, self.position = shard, position
+
+    def _walked_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        """The tokens of a shard that the walk reads: all of them."""
+        return tokens
 
     def _advance(self, shard: int, position: int) -> tuple[int, int]:
         """Where the walk is after one batch handed out at (shard, position)."""
@@ -1090,6 +1094,14 @@ class TokenLoader:
         return batch
 
 
+def cut_documents(tokens: np.ndarray, doc_token: int, longest: int) -> np.ndarray:
+    """The documents of tokens (each from a doc_token to the next) cut to their first `longest` tokens, in order;
+    tokens before the first document start are left out."""
+    firsts = np.flatnonzero(tokens == doc_token)
+    ends = np.minimum(np.append(firsts[1:], len(tokens)), firsts + longest)
+    return np.concatenate([tokens[s:e] for s, e in zip(firsts, ends)]) if len(firsts) else tokens[:0]
+
+
 def document_row_starts(tokens: np.ndarray, T: int, doc_token: int) -> np.ndarray:
     """Where rows of T tokens (and one more, the last target) begin when each begins at a document's first token:
     each at the first document start at or after the previous row's end, so a document's tail past its row's end
@@ -1105,16 +1117,20 @@ class DocumentRowLoader(TokenLoader):
     """TokenLoader's walk with every row beginning at a document's first token, <|endoftext|> (--document_rows;
     BOS-aligned rows, as modded-nanogpt's loaders since 2025-07): a shard's rows are laid by document_row_starts,
     and in round k rank r takes rows (k*world + r)*B on, B of them; a shard is left as soon as the next round
-    would not fit. The position is the index of this process's first row."""
+    would not fit. The position is the index of this process's first row. With `longest` (--longest_document),
+    the rows are laid over the shard's documents each cut to that many tokens (cut_documents)."""
 
-    def __init__(self, *args, doc_token: int, **kwargs):
-        self.doc_token, self.row_starts = doc_token, []  # row_starts[shard]: filled by _check_room, shard by shard
+    def __init__(self, *args, doc_token: int, longest: int = 0, **kwargs):
+        self.doc_token, self.longest, self.row_starts = doc_token, longest, []  # row_starts: by _check_room
         super().__init__(*args, **kwargs)
+
+    def _walked_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        return cut_documents(tokens, self.doc_token, self.longest) if self.longest else tokens
 
     def _check_room(self, shard: int):
         super()._check_room(shard)
         tokens = np.memmap(self.files[shard], np.uint16, "r", HEADER_BYTES, (self.shard_tokens[shard],))
-        self.row_starts.append(document_row_starts(tokens, self.T, self.doc_token))
+        self.row_starts.append(document_row_starts(self._walked_tokens(tokens), self.T, self.doc_token))
         if len(self.row_starts[shard]) < self.world_size * self.B:
             raise InputError(f"{self.files[shard]}: {len(self.row_starts[shard])} rows of {self.T} begin at a document "
                              f"start (token {self.doc_token}), fewer than one round (world_size*B = "
@@ -1599,7 +1615,7 @@ def open_data(flags: TrainConfig, config: GPTConfig, env: Distributed
     """The training loader, the validation rows, and (where those are longer) the same tokens in NoCap's
     1024-token rows: NoCap scores 1024-token rows, longer ones give most tokens more context, both are reported."""
     B, T = flags.batch_size, flags.sequence_length
-    loader = dict(doc_token=config.doc_token) if flags.document_rows else {}
+    loader = dict(doc_token=config.doc_token, longest=flags.longest_document) if flags.document_rows else {}
     train_loader = (DocumentRowLoader if flags.document_rows else TokenLoader)(
         flags.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device, **loader)
     val = ValidationSet(flags.input_val_bin, flags.val_tokens, flags.val_batch_size, flags.val_row_length, env.rank,

@@ -9,7 +9,8 @@ from conftest import make_shards
 from data.shards import HEADER_BYTES, SHARD_MAGIC, load_shard, read_shard_header, write_shard
 from common import InputError
 from model_variants import GPTConfig
-from train_gpt2 import GPT, DocumentRowLoader, TokenLoader, ValidationSet, document_row_starts, evaluate
+from train_gpt2 import (GPT, DocumentRowLoader, TokenLoader, ValidationSet, cut_documents, document_row_starts,
+                        evaluate)
 
 CPU = torch.device("cpu")
 
@@ -253,5 +254,30 @@ def test_the_trainer_reads_document_rows_under_its_flag(tmp_path):
     config = GPTConfig(vocab_size=256, n_layer=1, n_head=1, n_embd=8, block_size=16)
     plain, _, _ = open_data(train_flags(*argv), config, env)
     aligned, _, _ = open_data(train_flags(*argv, "--document_rows"), config, env)
-    assert type(plain) is TokenLoader and isinstance(aligned, DocumentRowLoader)
+    assert type(plain) is TokenLoader and isinstance(aligned, DocumentRowLoader) and aligned.longest == 0
     assert (aligned.next_batch()[0][:, 0] == config.doc_token).all()
+    cut, _, _ = open_data(train_flags(*argv, "--document_rows", "--longest_document", "40"), config, env)
+    assert cut.longest == 40
+    with pytest.raises(InputError, match="--longest_document 40: .* pass --document_rows with it"):
+        train_flags(*argv, "--longest_document", "40").checked(config)
+
+
+def test_documents_cut_to_the_longest_keep_their_heads_in_order():
+    tokens = np.array([5, 9, 1, 2, 3, 4, 9, 6, 9, 7, 8, 1, 2], dtype=np.uint16)  # 9 begins each document
+    assert cut_documents(tokens, 9, 3).tolist() == [9, 1, 2, 9, 6, 9, 7, 8]  # the 5 before the first start left out
+    assert cut_documents(tokens, 9, 100).tolist() == tokens[1:].tolist()
+    assert cut_documents(tokens, 4, 2).tolist() == [4, 9]
+
+
+def test_document_rows_over_cut_documents_never_hold_a_longer_document(tmp_path):
+    train_glob, val_glob = make_shards(tmp_path, n_train=1, train_tokens=3000)
+    shard = load_shard(str(tmp_path / "syn_train_000001.bin"), 256).astype(np.int64)
+    walked = cut_documents(shard, 255, 24)
+    starts = document_row_starts(walked, 16, 255)
+    loader = DocumentRowLoader(train_glob, 2, 16, 0, 1, 256, CPU, doc_token=255, longest=24)
+    for k in range(3):
+        x, y = loader.next_batch()
+        rows = np.stack([walked[s: s + 17] for s in starts[2 * k: 2 * k + 2]])
+        np.testing.assert_array_equal(x.numpy(), rows[:, :-1])
+        for row in rows:  # every document start in the row is at most 24 tokens after the one before
+            assert np.diff(np.flatnonzero(row == 255)).max(initial=0) <= 24
