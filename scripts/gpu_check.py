@@ -12,7 +12,8 @@ the project's own command (the scripts with SETUP=0: the machine is set up, the 
     resume         the main job stopped by SIGTERM after a few steps, then --resume auto to its end
     baseline       baseline.sh's trainer line (d12, NoCap's flags, self-sized)
     throughput     throughput.sh for d12_fast and d12
-    P100 <model>   proxy.py's P100 form of each recipe, with its FineWeb checks
+    P100 <model>   proxy.py's P100 form of each recipe, with its FineWeb checks; "P100 parts": d12_fast with every
+                   part its recipe leaves off (their GPU paths: the multi-target head, paired heads, the untie, ...)
     calibrate      calibrate.py run on a tiny budget (with --record: a folder of modded-nanogpt's records)
     profile        profile_model.py --compile at d12_fast's micro-batch
     torchrun       two processes under torchrun (on a machine with two GPUs)
@@ -40,6 +41,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from common import ArgumentParser, InputError  # noqa: E402
 
+# The parts d12_fast's recipe leaves off, all on at once (paired heads exclude key_offset): their GPU paths.
+PARTS = ("--later_targets 0.5,0.25 --untie_at 0.5 --paired_heads 0,4,8 --document_rows --longest_document 2048 "
+         "--bigram_table 4096 --attn_gate 12 --smear_gate 12 --backout 9")
 PEAK_FILE = "GPU_CHECK_PEAK_FILE"  # where a tool run under the cap writes its peak memory (MiB)
 
 
@@ -124,10 +128,12 @@ def checks(args) -> list[list[Check]]:
                       [os.path.join(work, "baseline")])]
     throughput = [Check("throughput", ["bash", "scripts/throughput.sh", data, "d12_fast", "d12"],
                         [os.path.join(work, "throughput-*", "*")])]  # throughput.sh writes under $OUTPUT_DIR
-    p100 = [Check(f"P100 {model}", tool(cap, "scripts/proxy.py", "run", "P100", f"{model} --budget 2M",
-                                        "--data", data, "--work", os.path.join(work, "p100", model),
-                                        "--flags", f"--memory_cap_gib {cap}"),
-                  [os.path.join(work, "p100", model, "runs", model)]) for model in ("d12", "d12_fast", "d12_nocap")]
+    p100 = [Check(f"P100 {name}", tool(cap, "scripts/proxy.py", "run", "P100", f"{spec} --budget 2M",
+                                       "--data", data, "--work", os.path.join(work, "p100", name),
+                                       "--flags", f"--memory_cap_gib {cap}"),
+                  [os.path.join(work, "p100", name, "runs", name)])
+            for name, spec in (*((model, model) for model in ("d12", "d12_fast", "d12_nocap")),
+                               ("parts", f"parts:d12_fast {PARTS}"))]
     # The record runs under torchrun, uncapped: its code is the record's own, not the project's.
     calibrate = [Check("calibrate", [sys.executable, "scripts/calibrate.py", "run", args.record, "--budget", "2M",
                                      "--data", data, "--work", os.path.join(work, "calibrate")])] \

@@ -39,7 +39,7 @@ def test_the_scripts_pass_the_trainer_flags_it_accepts(tmp_path):
     assert checks["sample"].command[-7].endswith("main/ckpt_000056.pt")
     assert checks["resume: SIGTERM"].expect_exit == 143 and checks["resume: --resume auto"].command[-2:] == \
         ["--resume", "auto"]
-    for model in ("d12", "d12_fast", "d12_nocap"):  # each P100 form with its checks, under the cap
+    for model in ("d12", "d12_fast", "d12_nocap", "parts"):  # each P100 form with its checks, under the cap
         command = checks[f"P100 {model}"].command
         spec = parse_spec(PROTOCOLS["P100"], command[command.index("P100") + 1], command[-1].split())
         checked_flags("--model", spec.model, *spec.flags)
