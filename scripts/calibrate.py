@@ -71,6 +71,7 @@ class Record:
     step_fields: tuple[str, ...] = ()  # Hyperparameters counted in steps: re-sized with the run
     settings: dict = field(default_factory=dict)  # Hyperparameters for one GPU or the proxy's validation tokens
     edits: tuple[tuple[str, str], ...] = ()  # exact text replacements (each must match once)
+    kernel_edits: tuple[tuple[str, str], ...] = ()  # the same in the triton_kernels.py its log carries
     step_counts: tuple[str, ...] = ()  # regexes of steps written in the code (the number their group): re-sized
     scheduled: str = "num_iterations"  # the Hyperparameter of the schedule's steps
     extension: str | None = None  # the Hyperparameter of the steps trained on after it, at its final settings
@@ -155,6 +156,12 @@ SHORTER_DOCUMENTS = ("num_tokens_local // 300", "num_tokens_local // 32")
 KERNEL_HUB_FA3 = (("from kernels import get_kernel\n", ""),
                   ("flash_attn_interface = get_kernel('varunneal/flash-attention-3').flash_attn_interface",
                    "import varlen_attention as flash_attn_interface"))
+# On torch 2.11 the softcap constants A, B, C of 2026-01-19's fused cross-entropy kernels (in its triton_kernels.py)
+# arrive as fp64 under torch.compile: the forward's running maximum turns fp64 inside its loop, which Triton refuses.
+# Both kernels take them as fp32 first, as an eager launch gives them.
+SOFTCAP_CONSTANTS_FP32 = tuple(
+    (line, line + "    A, B, C = A.to(tl.float32), B.to(tl.float32), C.to(tl.float32)\n")
+    for line in ("    max_val = -float('inf')\n", "    grad_row_ptr = grad_input_ptr + row_idx * stride_grad_n\n"))
 # From 2026-04 the schedule is a list of TrainingStage entries, and the document slots a table for FineWeb.
 TRAINING_STAGES = "TRAINING_STAGES"
 FINEWEB_DOCUMENT_SLOTS = ("TRAIN_MAX_NUM_DOCS = {16384: 64, 32768: 96, 49152: 128}", "TRAIN_MAX_NUM_DOCS = {}")
@@ -192,9 +199,10 @@ RECORDS = {
                 "        (model(inputs, targets, cum_seqlens, ws_short, ws_long) / grad_accum_steps).backward()")),
         step_counts=(r"if step < (300):", r"frac = step / (300)\b"), extension="iteration_extension"),
     **{name: Record(0, ("train_files", "val_files"), settings=PROXY_VALIDATION_BATCH,
-                    edits=(*KERNEL_HUB_FA3, CYCLE_SHARDS, SHORTER_DOCUMENTS), **BATCH_SCHEDULE)
-       for name in ("2025-11-29_BatchSizeSchedule", "2026-01-07_PairedHeadAttention",
-                    "2026-01-19_BigramHashEmbedding")},
+                    edits=(*KERNEL_HUB_FA3, CYCLE_SHARDS, SHORTER_DOCUMENTS), kernel_edits=kernel_edits,
+                    **BATCH_SCHEDULE)
+       for name, kernel_edits in (("2025-11-29_BatchSizeSchedule", ()), ("2026-01-07_PairedHeadAttention", ()),
+                                  ("2026-01-19_BigramHashEmbedding", SOFTCAP_CONSTANTS_FP32))},
     "2026-04-22_MuddFormer/this_pr_v3": Record(
         0, ("train_files", "val_files"), settings=PROXY_VALIDATION_BATCH,
         edits=(*KERNEL_HUB_FA3, CYCLE_SHARDS, SHORTER_DOCUMENTS, FINEWEB_DOCUMENT_SLOTS),
@@ -306,9 +314,22 @@ def split_companions(text: str) -> tuple[str, dict[str, str]]:
     return parts[0], dict(zip(parts[1::2], parts[2::2]))
 
 
+def edited(where: str, text: str, edits: tuple[tuple[str, str], ...]) -> str:
+    """`text` with each exact replacement made; one that does not match exactly once is an error."""
+    for old, new in edits:
+        if text.count(old) != 1:
+            raise InputError(f"{where}: the edit of {old.strip()[:60]!r} matches {text.count(old)} times, not once")
+        text = text.replace(old, new)
+    return text
+
+
 def companion_files(record_dir: str, code: str) -> dict[str, str]:
     """The files the prepared code imports beside it: the record's own, and this harness's FlashAttention stand-in."""
     files = split_companions(record_code(record_dir))[1]
+    kernel_edits = known_record(record_dir).kernel_edits
+    if kernel_edits:
+        files["triton_kernels.py"] = edited(f"{record_dir} (triton_kernels.py)", files.get("triton_kernels.py", ""),
+                                            kernel_edits)
     if "varlen_attention" in code:
         with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "varlen_attention.py")) as f:
             files["varlen_attention.py"] = f.read()
@@ -383,11 +404,7 @@ def prepared_code(record_dir: str, budget: int, data: str) -> tuple[str, list[in
 
     def resize(steps: int) -> int:
         return max(1, round(steps * scale))
-    for old, new in record.edits:
-        if code.count(old) != 1:
-            raise InputError(f"{record_dir}: the edit of {old.strip()[:60]!r} matches {code.count(old)} times, "
-                             "not once")
-        code = code.replace(old, new)
+    code = edited(record_dir, code, record.edits)
     code = MOMENTUM_WARMUP.sub(lambda m: f"min(step/{resize(int(m.group(1)))}, 1)", code)
     code = resized_step_counts(code, record.step_counts, resize)
     code = COORDINATE_DESCENT.sub(r"\1False", code)

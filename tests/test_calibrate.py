@@ -263,6 +263,23 @@ def test_the_glob_that_replaces_a_records_relative_only_one_reads_absolute_patte
     assert files == [tmp_path / "mix_train_000001.bin", tmp_path / "mix_train_000002.bin"]
 
 
+def test_the_bigram_records_softcap_constants_are_made_fp32_at_the_top_of_both_kernels():
+    # Its forward kernel's running maximum must keep one type through the loop; fp64 constants would change it.
+    kernels = ("def fwd(logits_ptr, A, B, C):\n    row_idx = tl.program_id(0).to(tl.int64)\n"
+               "    max_val = -float('inf')\n    sum_exp = 0.0\n    for off in range(0, n_cols, BLOCK_SIZE):\n"
+               "def bwd(grad_input_ptr, A, B, C):\n    row_idx = tl.program_id(0).to(tl.int64)\n"
+               "    grad_row_ptr = grad_input_ptr + row_idx * stride_grad_n\n    lse = tl.load(lse_ptr + row_idx)\n")
+    edits = calibrate.RECORDS["2026-01-19_BigramHashEmbedding"].kernel_edits
+    kernels = calibrate.edited("triton_kernels.py", kernels, edits)
+    cast = "    A, B, C = A.to(tl.float32), B.to(tl.float32), C.to(tl.float32)\n"
+    forward, backward = kernels.split("def bwd")
+    assert forward.count(cast) == backward.count(cast) == 1
+    assert forward.index(cast) < forward.index("    for off") and backward.index(cast) < backward.index("    lse =")
+    assert not calibrate.RECORDS["2026-01-07_PairedHeadAttention"].kernel_edits
+    with pytest.raises(InputError, match=r"triton_kernels.py: the edit of \"max_val = -float\('inf'\)\" matches 0"):
+        calibrate.edited("triton_kernels.py", backward, edits)
+
+
 @pytest.mark.parametrize("left", [-1, 7, 0, 200, 300])
 def test_the_varlen_attention_drop_in_attends_within_each_document_and_its_window(left):
     from varlen_attention import flash_attn_varlen_func
