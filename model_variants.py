@@ -111,6 +111,17 @@ class GPTConfig:
     # current) token pairs gives it to every block's input (modded-nanogpt's bigram hash embedding, 2026-01).
     bigram_table: int = knob(0, "> 0: rows of a table indexed by a hash of each (previous, current) token pair, "
                                 "added to every block's input with a learned gain from 0.1 (e.g. 251520; 0: off)")
+    # A block deep in the stack sees earlier blocks' outputs only as summed into one stream: a per-token mix of
+    # them, weighed by the stream itself, widens that path (MUDDFormer's dynamic dense connections, Xiao et al.
+    # 2025, the residual way; modded-nanogpt's last blocks, 2026-04).
+    dense_inputs: str = knob("", "blocks whose input is a per-token mix of the embedding, every earlier block's "
+                                 "output and the stream, e.g. 10,11: a static mix from the stream alone plus a "
+                                 "small MLP of the stream (from zero)")
+    # One stream makes every block add its output to what the next one reads; several streams, each block reading
+    # a weighed mix and writing back its own mix, let the stack learn other wirings (hyper-connections, Zhu et al.
+    # 2024; partitioned in modded-nanogpt's records, 2026-02).
+    hyper_streams: int = knob(0, ">= 2: that many copies of the residual stream; each block reads and rewrites "
+                                 "them by static weights (from one stream) plus tanh terms of their norms (from zero)")
     # Every elementwise pass over the stream (norms, residual adds, mixes) moves half the bytes. No effect
     # without autocast, so fp32 evaluation is unchanged.
     bf16_residual: bool = knob(False, "the residual stream in autocast's dtype (bf16 in GPU training) instead of "
@@ -130,7 +141,7 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("n_kv_head", "window", "kv_lora_rank", "moe_experts", "mtp_k", "value_embeds", "bigram_table",
-                     "attn_gate", "smear_gate", "backout"):
+                     "attn_gate", "smear_gate", "backout", "hyper_streams"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         for name in ("attn_gate", "smear_gate"):
@@ -138,6 +149,8 @@ class GPTConfig:
                 raise ValueError(f"{name}={getattr(self, name)} reads more channels than n_embd={self.n_embd}")
         if not 0 <= self.untie_at < 1:
             raise ValueError(f"untie_at={self.untie_at} is a fraction of the run: pass a number in [0, 1)")
+        if self.hyper_streams == 1:
+            raise ValueError("hyper_streams=1 is the plain stream: pass 0 (off) or 2 or more")
         if self.backout >= self.n_layer:
             raise ValueError(f"backout={self.backout} must name a block before the last (n_layer={self.n_layer})")
         if self.n_embd % self.n_head != 0:
@@ -173,6 +186,14 @@ class GPTConfig:
     def _check_combinations(self):
         """Fields that rule each other out or bound each other."""
         self._check_pairs()
+        try:
+            dense = self.dense_layers
+        except ValueError:
+            raise ValueError(f"dense_inputs={self.dense_inputs!r}: pass block numbers separated by commas, "
+                             "e.g. 10,11") from None
+        if any(not 1 <= i < self.n_layer for i in dense):
+            raise ValueError(f"dense_inputs={self.dense_inputs!r}: name blocks among 1..{self.n_layer - 1} (block 0 "
+                             "has only the embedding before it)")
         if self.key_offset and self.kv_lora_rank:
             raise ValueError("key_offset shifts the heads' rotary dims; latent attention (kv_lora_rank) turns only "
                              "a decoupled part: pass one of them")
@@ -250,6 +271,11 @@ class GPTConfig:
     def paired_layers(self) -> frozenset:
         """The blocks of paired_heads."""
         return frozenset(int(i) for i in self.paired_heads.split(",")) if self.paired_heads else frozenset()
+
+    @property
+    def dense_layers(self) -> frozenset:
+        """The blocks of dense_inputs."""
+        return frozenset(int(i) for i in self.dense_inputs.split(",")) if self.dense_inputs else frozenset()
 
     def layer_kind(self, layer: int) -> str:
         """A block's token mixer: "L" local attention, "G" global attention, "S" the spectral mixer."""

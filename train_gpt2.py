@@ -614,6 +614,61 @@ class Block(nn.Module):
         return x + self.mlp(rms_norm(x)), values, None
 
 
+class DenseMix(nn.Module):
+    """A dense block input (GPTConfig.dense_inputs): a per-token mix of the embedding, every earlier block's output
+    and the stream that reaches the block, weighed by a static mix that starts at the stream alone plus a small MLP
+    of the stream's norm that starts at zero (MUDDFormer's dynamic dense connection, the residual way)."""
+
+    def __init__(self, n_embd: int, sources: int):
+        super().__init__()
+        self.w_in = nn.Linear(n_embd, 4 * sources, bias=False)
+        self.w_out = nn.Linear(4 * sources, sources, bias=False)
+        nn.init.zeros_(self.w_out.weight)
+        self.static = nn.Parameter(F.one_hot(torch.tensor(sources - 1), sources).float())
+
+    def forward(self, x: torch.Tensor, earlier: list[torch.Tensor]) -> torch.Tensor:
+        weights = self.static + self.w_out(F.gelu(self.w_in(rms_norm(x))))  # (B, T, sources)
+        return sum(weights[..., s, None] * h for s, h in enumerate((*earlier, x))).to(x.dtype)
+
+
+class HyperConnections(nn.Module):
+    """How block `layer` reads and rewrites n copies of the stream H (GPTConfig.hyper_streams; dynamic
+    hyper-connections, Zhu et al. 2024): it reads h = sum_j read_j H_j and writes H'_k = sum_j keep_jk H_j +
+    write_k (block(h) - h). Each weight is a static one plus a learned scale times the tanh of a projection of its
+    stream's norm (read_j, keep_j. of stream j, write_k of stream k). The static weights start at one stream read
+    (layer mod n), every stream kept, the block's update added to all; the projections at zero."""
+
+    def __init__(self, n_embd: int, streams: int, layer: int):
+        super().__init__()
+        self.read_static = nn.Parameter(F.one_hot(torch.tensor(layer % streams), streams).float())
+        self.keep_static = nn.Parameter(torch.eye(streams).flatten())  # flat: a vector, trained without decay
+        self.write_static = nn.Parameter(torch.ones(streams))
+        self.project = nn.Linear(n_embd, streams + 2, bias=False)  # per stream: read, keep row, write
+        nn.init.zeros_(self.project.weight)
+        self.scales = nn.Parameter(torch.full((2,), 0.01))  # of the read and keep terms, of the write term
+
+    def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams (n, B, T, C) -> read (n, B, T), keep (n, B, T, n), write (n, B, T), in the streams' dtype."""
+        n = streams.size(0)
+        g = torch.tanh(self.project(rms_norm(streams)))
+        read = self.read_static[:, None, None] + self.scales[0] * g[..., 0]
+        keep = self.keep_static.view(n, 1, 1, n) + self.scales[0] * g[..., 1:n + 1]
+        write = self.write_static[:, None, None] + self.scales[1] * g[..., n + 1]
+        return read.to(streams.dtype), keep.to(streams.dtype), write.to(streams.dtype)
+
+    @staticmethod
+    def read(streams: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+        return (read[..., None] * streams).sum(0)
+
+    @staticmethod
+    def write(streams: torch.Tensor, weights, out: torch.Tensor) -> torch.Tensor:
+        """H' from H and the block's output. The update out - h is folded into the weights on H (keep_jk -
+        read_j write_k), so that the block's input is never subtracted back off its output."""
+        read, keep, write = weights
+        mix = keep - read[..., None] * write.permute(1, 2, 0)  # (j, B, T, k)
+        return (mix.movedim(-1, 0)[..., None] * streams).sum(1) + write[..., None] * out
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of logits (..., vocab) against targets (...), -1 ignored."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
@@ -713,6 +768,10 @@ class GPT(nn.Module):
         if config.smear_gate:
             nn.init.zeros_(self.smear.weight)
         self.backout_gain = nn.Parameter(torch.tensor(0.5)) if config.backout else None
+        # Dense block inputs (GPTConfig.dense_inputs): block i mixes i + 1 sources. Made last as well.
+        self.dense = nn.ModuleDict({str(i): DenseMix(config.n_embd, i + 1) for i in sorted(config.dense_layers)})
+        self.hyper = nn.ModuleList([HyperConnections(config.n_embd, config.hyper_streams, i)
+                                    for i in range(config.n_layer if config.hyper_streams else 0)])
         if config.zero_init_proj:
             for block in self.transformer.h:
                 nn.init.zeros_(block.attn.c_proj.weight)
@@ -862,18 +921,26 @@ class GPT(nn.Module):
 
     def run_blocks(self, x, idx, cos, sin, masking: Masking, drop_blocks: tuple[int, ...]) -> tuple[torch.Tensor, list]:
         """The blocks over the stream x, with the shortcuts that join them (U-net skips, value residual, value
-        embeddings, the bigram table, the backout); returns the stream and the MoE layers' (balance, load) terms."""
+        embeddings, the bigram table, the backout, dense inputs); returns the stream and the MoE layers' (balance,
+        load) terms."""
         c = self.config
         x0, v0, skips, moe_terms = x, None, [], []
+        history = [x]  # the embedding, then each block's output: what a dense input mixes (kept only for one)
+        streams = x.expand(c.hyper_streams, *x.shape) if self.hyper else None  # copies of the embedding
         value_rows = [table(idx) for table in self.value_embeds]  # (B, T, kv width) each
         bigrams = self.bigram_embed(bigram_rows(idx, c.bigram_table)).to(x.dtype) if c.bigram_table else None
         n_skips = c.n_layer // 2 if c.unet_skips else 0
         for i, block in enumerate(self.transformer.h):
+            if streams is not None:
+                weights = self.hyper[i].weights(streams)
+                x = self.hyper[i].read(streams, weights[0])
             mirror = c.n_layer - 1 - i  # the encoder block whose output this decoder block receives
             if mirror < n_skips:
                 x = x + self.skip_weights[mirror] * skips[mirror]
             if bigrams is not None:
                 x = x + self.bigram_gains[i] * bigrams
+            if str(i) in self.dense:
+                x = self.dense[str(i)](x, history[:i])
             table = c.value_embed_table(i)
             ve = value_rows[table] if table is not None else None
             if self.training and i in drop_blocks:
@@ -883,6 +950,8 @@ class GPT(nn.Module):
                                                                    use_reentrant=False)
             else:
                 x, values, moe = block(x, x0, v0, cos, sin, masking, ve)
+            if streams is not None:
+                streams = self.hyper[i].write(streams, weights, x)
             if i == 0 and c.value_residual:
                 v0 = values
             if i < n_skips:
@@ -891,6 +960,10 @@ class GPT(nn.Module):
                 moe_terms.append(moe)
             if i + 1 == c.backout:
                 kept = x
+            if self.dense:
+                history.append(x)
+        if streams is not None:
+            x = streams.mean(0)
         if c.backout:
             x = x - self.backout_gain * kept
         return x, moe_terms

@@ -7,7 +7,7 @@ import torch
 
 from conftest import read_metrics, tiny_run_args, train_flags
 from model_variants import TINY, with_overrides
-from train_gpt2 import GPT, Masking, bigram_rows, main, make_optimizer, model_from_checkpoint
+from train_gpt2 import GPT, Masking, bigram_rows, main, make_optimizer, model_from_checkpoint, rms_norm
 
 BIGRAM = with_overrides(TINY, vocab_size=64, bigram_table=97)
 
@@ -50,14 +50,15 @@ def test_a_negative_table_size_is_refused():
 def test_a_run_with_the_parts_trains_them_and_its_checkpoint_holds_them(tmp_path, shards, capsys):
     assert main(tiny_run_args(shards, tmp_path, "bg", "--bigram_table", "97", "--attn_gate", "12",
                               "--smear_gate", "12", "--backout", "1", "--key_offset", "true", "--z_loss", "1e-4",
-                              "--optimizer", "muon")) == 0
+                              "--dense_inputs", "1", "--hyper_streams", "2", "--optimizer", "muon")) == 0
     losses = [r["train_loss"] for r in read_metrics(tmp_path / "bg") if "train_loss" in r]
     assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
     checkpoint = sorted((tmp_path / "bg").glob("ckpt_*.pt"))[-1]
     model, _ = model_from_checkpoint(str(checkpoint), torch.device("cpu"))
     assert model.config.bigram_table == 97 and model.bigram_embed.weight.abs().sum() > 0  # it trained
     assert model.transformer.h[0].attn.gate.weight.abs().sum() > 0
-    assert model.smear_gain != 0 and model.backout_gain != 0.5
+    assert model.smear_gain != 0 and model.backout_gain != 0.5 and model.dense["1"].w_out.weight.abs().sum() > 0
+    assert model.hyper[1].project.weight.abs().sum() > 0
 
 
 def test_the_attention_gate_starts_at_half_and_lets_each_head_say_nothing():
@@ -106,6 +107,80 @@ def test_backout_takes_a_share_of_the_stream_after_its_block_out_of_the_final_st
     torch.testing.assert_close(out, plain - 0.5 * kept[0])  # from 0.5 of the stream after blocks 0 and 1
     with pytest.raises(ValueError, match="backout=4 must name a block before the last"):
         with_overrides(TINY, n_layer=4, backout=4)
+
+
+def test_a_dense_input_mixes_the_embedding_and_earlier_outputs_by_weights_the_stream_sets():
+    torch.manual_seed(0)
+    plain = GPT(with_overrides(TINY, n_layer=4))
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, n_layer=4, dense_inputs="2,3"))  # made last: the rest as without them
+    x, idx = torch.randn(2, 8, 64), torch.zeros(2, 8, dtype=torch.long)
+    cos, sin = model.rotary(8)
+    torch.testing.assert_close(model.run_blocks(x, idx, cos, sin, Masking(), ())[0],
+                               plain.run_blocks(x, idx, cos, sin, Masking(), ())[0])  # from the stream alone
+    outputs, inputs = [], []
+    for block in model.transformer.h:
+        block.register_forward_hook(lambda module, args, output: outputs.append(output[0]))
+    model.transformer.h[2].register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+    mix = model.dense["2"]  # sources: the embedding, block 0's output, the stream after block 1
+    with torch.no_grad():
+        mix.static.copy_(torch.tensor([0.5, -1.0, 2.0]))
+        mix.w_out.weight.normal_()
+    model.run_blocks(x, idx, cos, sin, Masking(), ())
+    stream = outputs[1]
+    dynamic = mix.w_out(torch.nn.functional.gelu(mix.w_in(rms_norm(stream))))
+    weights = mix.static + dynamic  # one set per token
+    assert weights.shape == (2, 8, 3) and weights.std(dim=(0, 1)).min() > 0
+    expected = weights[..., :1] * x + weights[..., 1:2] * outputs[0] + weights[..., 2:] * stream
+    torch.testing.assert_close(inputs[0], expected)
+    model.run_blocks(x, idx, cos, sin, Masking(), ())[0].square().sum().backward()
+    assert mix.w_in.weight.grad.abs().sum() > 0 and model.dense["3"].w_out.weight.grad.abs().sum() > 0
+    for bad, message in (("0", "name blocks among 1..3"), ("4", "name blocks among 1..3"),
+                         ("2;3", "pass block numbers separated by commas")):
+        with pytest.raises(ValueError, match=message):
+            with_overrides(TINY, n_layer=4, dense_inputs=bad)
+
+
+def test_hyper_connections_read_a_weighed_mix_and_write_each_stream_its_own():
+    from train_gpt2 import HyperConnections
+    torch.manual_seed(0)
+    hyper = HyperConnections(16, 3, layer=4)
+    streams = torch.randn(3, 2, 5, 16)
+    with torch.no_grad():
+        hyper.project.weight.normal_()
+        hyper.scales.fill_(0.5)
+    read, keep, write = hyper.weights(streams)
+    h = hyper.read(streams, read)
+    out = 2 * h + 1  # any block: its update out - h
+    new = hyper.write(streams, (read, keep, write), out)
+    for b, t in ((0, 0), (1, 3)):  # the paper's sums, token by token
+        g = torch.tanh(rms_norm(streams[:, b, t]) @ hyper.project.weight.T)  # (stream, read | keep row | write)
+        r, w = hyper.read_static + 0.5 * g[:, 0], hyper.write_static + 0.5 * g[:, 4]
+        k = hyper.keep_static.view(3, 3) + 0.5 * g[:, 1:4]
+        expected_h = sum(r[j] * streams[j, b, t] for j in range(3))
+        torch.testing.assert_close(h[b, t], expected_h)
+        for i in range(3):
+            expected = sum(k[j, i] * streams[j, b, t] for j in range(3)) + w[i] * (out[b, t] - expected_h)
+            torch.testing.assert_close(new[i, b, t], expected)
+    assert hyper.read_static.tolist() == [0, 1, 0]  # block 4 of 3 streams reads stream 1 at first
+
+
+def test_hyper_streams_start_as_the_plain_stream_and_train():
+    torch.manual_seed(0)
+    plain = GPT(with_overrides(TINY, n_layer=3, backout=2))
+    torch.manual_seed(0)
+    model = GPT(with_overrides(TINY, n_layer=3, backout=2, hyper_streams=2))  # made last
+    x, idx = torch.randn(2, 8, 64), torch.zeros(2, 8, dtype=torch.long)
+    cos, sin = model.rotary(8)
+    out = model.run_blocks(x, idx, cos, sin, Masking(), ())[0]
+    torch.testing.assert_close(out, plain.run_blocks(x, idx, cos, sin, Masking(), ())[0], rtol=0, atol=0)
+    out.square().sum().backward()
+    assert all(h.project.weight.grad.abs().sum() > 0 for h in model.hyper)
+    optimizer = make_optimizer(model, train_flags("--optimizer", "muon", "--scalar_lr", "0.5"), torch.device("cpu"))
+    scalars = [p for g in optimizer.optimizers[1].param_groups if g["lr"] == 0.5 for p in g["params"]]
+    assert any(model.hyper[0].keep_static is p for p in scalars)  # no weight decay pulls the identity to zero
+    with pytest.raises(ValueError, match="hyper_streams=1 is the plain stream"):
+        with_overrides(TINY, hyper_streams=1)
 
 
 def test_z_loss_adds_the_mean_square_of_log_z_to_the_training_objective_only():
