@@ -263,21 +263,58 @@ def test_the_glob_that_replaces_a_records_relative_only_one_reads_absolute_patte
     assert files == [tmp_path / "mix_train_000001.bin", tmp_path / "mix_train_000002.bin"]
 
 
-def test_the_bigram_records_softcap_constants_are_made_fp32_at_the_top_of_both_kernels():
-    # Its forward kernel's running maximum must keep one type through the loop; fp64 constants would change it.
-    kernels = ("def fwd(logits_ptr, A, B, C):\n    row_idx = tl.program_id(0).to(tl.int64)\n"
-               "    max_val = -float('inf')\n    sum_exp = 0.0\n    for off in range(0, n_cols, BLOCK_SIZE):\n"
-               "def bwd(grad_input_ptr, A, B, C):\n    row_idx = tl.program_id(0).to(tl.int64)\n"
-               "    grad_row_ptr = grad_input_ptr + row_idx * stride_grad_n\n    lse = tl.load(lse_ptr + row_idx)\n")
+# Kernels shaped as 2026-01-19's fused cross-entropy (this test's own): a running maximum carried through a loop
+# over the columns, softcap constants A, B, C as arguments; the lines its edits anchor on.
+SOFTCAP_KERNELS = """import triton
+import triton.language as tl
+
+
+@triton.jit
+def forward(logits_ptr, lse_ptr, n_cols, A, B, C, BLOCK_SIZE: tl.constexpr):
+    row_idx = tl.program_id(0).to(tl.int64)
+    max_val = -float('inf')
+    sum_exp = 0.0
+    for off in range(0, n_cols, BLOCK_SIZE):
+        cols = off + tl.arange(0, BLOCK_SIZE)
+        val = tl.load(logits_ptr + row_idx * n_cols + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        z = A * tl.sigmoid((val + B) / C)
+        new_max = tl.maximum(max_val, tl.max(z, axis=0))
+        sum_exp = sum_exp * tl.exp(max_val - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
+        max_val = new_max
+    tl.store(lse_ptr + row_idx, max_val + tl.log(sum_exp))
+
+
+@triton.jit
+def backward(grad_input_ptr, stride_grad_n, A, B, C):
+    row_idx = tl.program_id(0).to(tl.int64)
+    grad_row_ptr = grad_input_ptr + row_idx * stride_grad_n
+    tl.store(grad_row_ptr, A * B / C)
+"""
+
+
+def test_the_bigram_records_kernel_compiles_with_the_fp64_constants_compile_hands_it(tmp_path, monkeypatch):
+    # Under torch.compile (torch 2.11) the constants arrive as fp64: unedited, Triton refuses the forward's loop.
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
     edits = calibrate.RECORDS["2026-01-19_BigramHashEmbedding"].kernel_edits
-    kernels = calibrate.edited("triton_kernels.py", kernels, edits)
-    cast = "    A, B, C = A.to(tl.float32), B.to(tl.float32), C.to(tl.float32)\n"
-    forward, backward = kernels.split("def bwd")
-    assert forward.count(cast) == backward.count(cast) == 1
-    assert forward.index(cast) < forward.index("    for off") and backward.index(cast) < backward.index("    lse =")
-    assert not calibrate.RECORDS["2026-01-07_PairedHeadAttention"].kernel_edits
-    with pytest.raises(InputError, match=r"triton_kernels.py: the edit of \"max_val = -float\('inf'\)\" matches 0"):
-        calibrate.edited("triton_kernels.py", backward, edits)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name, text in (("softcap_unedited", SOFTCAP_KERNELS),
+                       ("softcap_edited", calibrate.edited("k", SOFTCAP_KERNELS, edits))):
+        (tmp_path / f"{name}.py").write_text(text)
+    import softcap_edited
+    import softcap_unedited
+    signature = dict(logits_ptr="*bf16", lse_ptr="*fp32", n_cols="i32", A="fp64", B="fp64", C="fp64",
+                     BLOCK_SIZE="constexpr")
+
+    def compile_forward(module):
+        source = ASTSource(fn=module.forward, signature=signature, constexprs={"BLOCK_SIZE": 1024})
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    with pytest.raises(Exception, match="Loop-carried variable max_val has initial type fp32"):
+        compile_forward(softcap_unedited)
+    assert "tt.func" in compile_forward(softcap_edited).asm["ttir"]
+    with pytest.raises(InputError, match=r"k: the edit of \"max_val = -float\('inf'\)\" matches 0 times"):
+        calibrate.edited("k", SOFTCAP_KERNELS.replace("    max_val = -float('inf')\n", ""), edits)
 
 
 @pytest.mark.parametrize("left", [-1, 7, 0, 200, 300])
