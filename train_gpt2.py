@@ -635,8 +635,8 @@ class HyperConnections(nn.Module):
     """How block `layer` reads and rewrites n copies of the stream H (GPTConfig.hyper_streams; dynamic
     hyper-connections, Zhu et al. 2024): it reads h = sum_j read_j H_j and writes H'_k = sum_j keep_jk H_j +
     write_k (block(h) - h). Each weight is a static one plus a learned scale times the tanh of a projection of its
-    stream's norm (read_j, keep_j. of stream j, write_k of stream k). The static weights start at one stream read
-    (layer mod n), every stream kept, the block's update added to all; the projections at zero."""
+    stream's norm (read_j and the row keep_j of stream j, write_k of stream k). The static weights start at one
+    stream read (layer mod n), every stream kept, the block's update added to all; the projections at zero."""
 
     def __init__(self, n_embd: int, streams: int, layer: int):
         super().__init__()
