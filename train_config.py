@@ -246,6 +246,19 @@ class TrainConfig:
         memory)."""
         return self.val_batch_size * self.val_row_length // NOCAP_VAL_ROW
 
+    def for_processes(self, world_size: int) -> "TrainConfig":
+        """This config over `world_size` processes. The step's tokens are the contract and a process's rows only
+        its memory: where one micro-batch on every process would already exceed --total_batch_size, each process
+        takes fewer rows, so a recipe sized for one GPU runs as it is on several."""
+        tokens_per_row_set = self.sequence_length * world_size  # one row on every process
+        too_many = self.total_batch_size is not None and self.batch_size * tokens_per_row_set > self.total_batch_size
+        if not too_many or self.total_batch_size % tokens_per_row_set:
+            return self  # accumulation() names what does not divide
+        rows = self.total_batch_size // tokens_per_row_set
+        notice(f"--batch_size {self.batch_size} -> {rows} rows per process: {world_size} processes share "
+               f"--total_batch_size {self.total_batch_size:,} ({rows} x {self.sequence_length} tokens each)")
+        return replace(self, batch_size=rows)
+
     def accumulation(self, world_size: int) -> int:
         """Micro-batches per optimizer step on this process (NoCap: the global count / world size)."""
         tokens_per_micro_batch = self.batch_size * self.sequence_length * world_size

@@ -1655,6 +1655,7 @@ def setup_run(config: GPTConfig, flags: TrainConfig) -> Run:
     input raises InputError before anything is written, and the claim is given back."""
     flags = flags.checked(config)
     env = setup_distributed(flags.device)
+    flags = flags.for_processes(env.world_size)
     accumulation = flags.accumulation(env.world_size)
     check_device_fit(flags, config, env)
     if flags.memory_cap_gib is not None:

@@ -422,7 +422,7 @@ def prepared_code(record_dir: str, budget: int, data: str) -> tuple[str, list[in
     code = set_hyperparameter(code, "val_loss_every", max(1, len(per_step) // EVALUATIONS))
     for name, value in record.settings.items():
         code = set_hyperparameter(code, name, value)
-    if re.search(r"^\s+run_id\s*=", code[slice(*hyperparameters(code))], re.M):
+    if has_hyperparameter(code, "run_id"):
         code = set_hyperparameter(code, "run_id", "record")  # its log goes to logs/<run_id>.txt: no subfolder
     return code, per_step
 

@@ -61,6 +61,16 @@ def fake_entry(monkeypatch):
         tokens_per_step=1000, data=("input_bin", "input_val_bin"), step_fields=("warmdown_iters",)))
 
 
+def test_a_run_id_with_a_type_sends_the_records_log_to_logs_too(tmp_path, fake_entry):
+    # 2025-10-04's `run_id: str = f"new/{uuid.uuid4()}"` would log into logs/new/, a folder nothing makes.
+    record = fake_record(tmp_path, [[(0, 11.0)]])
+    for log in record.iterdir():
+        log.write_text(log.read_text().replace("    run_id = f'final/{os.getpid()}'",
+                                               '    run_id: str = f"new/{uuid.uuid4()}"'))
+    code, _ = calibrate.prepared_code(str(record), budget=250_000, data="/proxy")
+    assert "    run_id: str = 'record'\n" in code
+
+
 def test_fineweb_tokens_are_each_logs_crossing_interpolated(tmp_path, fake_entry):
     record = fake_record(tmp_path, [[(0, 11.0), (500, 3.5), (600, 3.3), (700, 3.2)],
                                     [(0, 11.0), (500, 3.4), (600, 3.38), (700, 3.2)],

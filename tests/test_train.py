@@ -389,6 +389,30 @@ def test_two_gloo_processes_match_one_process_with_double_accumulation(tmp_path,
     assert vals(tmp_path / "ddp") == pytest.approx(vals(tmp_path / "single"), rel=1e-5)
 
 
+def test_processes_that_together_exceed_the_step_take_fewer_rows_each_and_match_one_process(tmp_path, shards):
+    # 4 rows of 32 tokens on each of 2 processes would be 256 tokens, the step is 128: 2 rows each.
+    def argv(name):
+        args = tiny_run_args(shards, tmp_path, name, "--num_iterations", "3", "--total_batch_size", "128",
+                             "--batch_size", "4")
+        del args[args.index("--grad_accumulation_steps"): args.index("--grad_accumulation_steps") + 2]
+        return args
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(REPO / "train_gpt2.py"), *argv("ddp")], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert ddp.stderr.count("notice: --batch_size 4 -> 2 rows per process: 2 processes share --total_batch_size "
+                            "128 (2 x 32 tokens each)") == 1  # rank 0 alone
+    single = subprocess.run([sys.executable, str(REPO / "train_gpt2.py"), *argv("single")],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert single.returncode == 0 and "rows per process" not in single.stderr, single.stderr
+    config = json.loads((tmp_path / "ddp" / "config.json").read_text())
+    assert config["grad_accumulation_steps_per_process"] == 1 and config["tokens_per_step"] == 128
+    ddp_losses, single_losses = train_losses(tmp_path / "ddp"), train_losses(tmp_path / "single")
+    assert ddp_losses.keys() == {1, 2, 3}
+    assert [ddp_losses[step] for step in ddp_losses] == pytest.approx([single_losses[s] for s in ddp_losses], rel=1e-5)
+
+
 def test_an_input_error_under_torchrun_is_one_line_from_rank_0_and_no_rank_crashes(tmp_path, shards):
     # --log_wandb without wandb: every rank refuses it before any of them waits for the others (rank 1 used
     # to die in a gloo collective, a traceback, while rank 0 had already exited).
