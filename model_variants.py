@@ -103,6 +103,11 @@ class GPTConfig:
     # last time this came". Offered in the dims rotary turns slowest (modded-nanogpt's partial key offset, 2025-12).
     key_offset: bool = knob(False, "the global layers' keys take the slowest-turning quarter of their rotary pairs "
                                    "from the position before")
+    # A local window that doubles in training shows distances never seen: the rotary pairs that turned less than
+    # once across the old window slow down by old/new, so the wider range looks like the old one, and the logits
+    # sharpen by 1 + 0.2 ln(new/old) (YaRN, Peng et al. 2023; modded-nanogpt's window schedule, 2025-09).
+    yarn: bool = knob(False, "the local layers' rotary pairs and logit scale follow the window warmup's doublings "
+                             "as YaRN extends a context (without a warmup: as if it had run)")
     # Two heads that read each other's keys see twice the context for one head's cost in keys: a pair's tokens
     # interleaved into one row twice as long, rotary turning by that row's positions (modded-nanogpt, 2026-01).
     paired_heads: str = knob("", "blocks whose attention heads attend in pairs, e.g. 0,2,5,9: heads 2i and 2i+1 "
@@ -194,6 +199,9 @@ class GPTConfig:
         if any(not 1 <= i < self.n_layer for i in dense):
             raise ValueError(f"dense_inputs={self.dense_inputs!r}: name blocks among 1..{self.n_layer - 1} (block 0 "
                              "has only the embedding before it)")
+        if self.yarn and (self.kv_lora_rank or "L" not in self.window_pattern or not self.window):
+            raise ValueError("yarn re-tunes the local layers' per-head rotary: it needs a window, L in window_pattern "
+                             "and no kv_lora_rank")
         if self.key_offset and self.kv_lora_rank:
             raise ValueError("key_offset shifts the heads' rotary dims; latent attention (kv_lora_rank) turns only "
                              "a decoupled part: pass one of them")

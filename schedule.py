@@ -83,12 +83,17 @@ def cosine_between(start: float, end: float, fraction: float) -> float:
     return end + (start - end) * (1 + math.cos(math.pi * fraction)) / 2
 
 
+def doubling_stages(end: int) -> list[int]:
+    """The stages doubling_at walks through: a quarter of `end`, twice that, then `end`."""
+    return [end // 4, end // 4 * 2, end]
+
+
 def doubling_at(step: int, end: int, iters: int) -> int:
     """A quarter of `end` until the halfway step to `iters`, half of it until `iters`, then `end` (throughout
     where iters is 0): the curriculum's and the window warmup's stages."""
     if step >= iters:
         return end
-    return (end // 4) << (step * 2 // iters)
+    return doubling_stages(end)[step * 2 // iters]
 
 
 # --val_loss_every auto scouts where the loss is far from the target: it evaluates in bf16 autocast, as training

@@ -42,10 +42,11 @@ try:  # a few seconds of loading torch: Ctrl-C there is a stop, not a traceback 
     from optimizers import MUON_MOMENTUM, SOAP, BatchedMuon, Lion, Optimizers
     from plan_ideas import (SpectralMixer, blocks_to_drop, consistency_objective, tokens_to_keep,
                             with_tokens_dropped)
+    from recipe_parts import bigram_rows, offset_keys, pair_heads, unpair_heads, yarn_rotary
     from run_dir import (CHECKPOINT_FORMAT, RunDirClaim, RunLog, all_finite, atomic_write, check_run_dir,
                          format_summary, git_sha, list_checkpoints, load_checkpoint, read_metrics, repair_run_dir,
                          resolve_checkpoint_path, run_dir_path, state_digest)
-    from schedule import Schedule, StepSettings, Turn, overtime_applies
+    from schedule import Schedule, StepSettings, Turn, doubling_stages, overtime_applies
     from train_config import FREQUENCY_COUNT_TOKENS, NOCAP_VAL_ROW, TrainConfig, add_train_flags
 except KeyboardInterrupt:
     print("interrupted while loading torch: nothing ran", file=sys.stderr)
@@ -184,19 +185,35 @@ def rms_norm(x: torch.Tensor) -> torch.Tensor:
 class Rotary(nn.Module):
     """cos/sin tables for rotary embedding, computed once for block_size positions. Kept as buffers,
     not recomputed per forward: inside a compiled graph inductor would otherwise fuse the cos/sin
-    math into every rotary kernel of every layer (a quarter of d12's step time)."""
+    math into every rotary kernel of every layer (a quarter of d12's step time). yarn_stages: for each local
+    window warmup (GPTConfig.yarn), the windows it widens through, each with YaRN's tables and logit scale."""
 
-    def __init__(self, rotary_dim: int, block_size: int, base: float = 10000.0):
+    def __init__(self, rotary_dim: int, block_size: int, base: float = 10000.0,
+                 yarn_stages: tuple[tuple[int, ...], ...] = ()):
         super().__init__()
         # fp32 throughout, exactly as NoCap builds its tables.
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+        self.register_tables("", inv_freq, block_size)
+        self.yarn_scales = {}
+        for stages in yarn_stages:
+            for i, window in enumerate(stages):
+                freq, self.yarn_scales[stages[0], window] = yarn_rotary(inv_freq, stages[:i + 1])
+                self.register_tables(f"_{stages[0]}_{window}", freq, block_size)
+
+    def register_tables(self, suffix: str, inv_freq: torch.Tensor, block_size: int):
         freqs = torch.outer(torch.arange(block_size).float(), inv_freq)  # (block_size, rotary_dim/2)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos" + suffix, freqs.cos(), persistent=False)
+        self.register_buffer("sin" + suffix, freqs.sin(), persistent=False)
 
     def forward(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 (1, T, 1, rotary_dim/2) tables for positions 0..T-1, broadcast over batch and heads."""
         return self.cos[None, :T, None, :], self.sin[None, :T, None, :]
+
+    def yarn(self, T: int, first: int, window: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """YaRN's tables (as forward's) and logit scale for a local layer whose window warmup began at `first`
+        and is at `window` now."""
+        cos, sin = getattr(self, f"cos_{first}_{window}"), getattr(self, f"sin_{first}_{window}")
+        return cos[None, :T, None, :], sin[None, :T, None, :], self.yarn_scales[first, window]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -204,28 +221,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     d = x.size(-1) // 2
     x1, x2 = x[..., :d], x[..., d:]
     return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], dim=-1)
-
-
-def pair_heads(t: torch.Tensor) -> torch.Tensor:
-    """(B, T, H, D) -> (B, 2T, H/2, D): heads 2i and 2i+1 as one head whose row holds their tokens interleaved,
-    (t, 2i) at position 2t and (t, 2i+1) at 2t + 1 (GPTConfig.paired_heads)."""
-    B, T, H, D = t.shape
-    return t.view(B, T, H // 2, 2, D).transpose(2, 3).reshape(B, 2 * T, H // 2, D)
-
-
-def unpair_heads(y: torch.Tensor) -> torch.Tensor:
-    """pair_heads undone on attention's output: (B, H/2, 2T, D) -> (B, H, T, D)."""
-    B, pairs, T2, D = y.shape
-    return y.view(B, pairs, T2 // 2, 2, D).transpose(2, 3).reshape(B, 2 * pairs, T2 // 2, D)
-
-
-def offset_keys(k: torch.Tensor) -> torch.Tensor:
-    """Keys (B, T, heads, head_dim) whose slowest-turning quarter of rotary pairs (dims D/4..D/2 and 3D/4..D of the
-    half-split layout) is the previous position's; position 0 keeps its own (GPTConfig.key_offset)."""
-    D = k.size(-1)
-    slow = torch.zeros(D, dtype=torch.bool, device=k.device)
-    slow[D // 4: D // 2] = slow[3 * D // 4:] = True
-    return torch.where(slow, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
 
 
 def may_attend(i: torch.Tensor, j: torch.Tensor, window: int, chunked: bool) -> torch.Tensor:
@@ -259,10 +254,12 @@ def document_ids(idx: torch.Tensor, doc_token: int) -> torch.Tensor:
 class Masking:
     """What limits attention in one forward pass besides causality and each layer's own window: the window
     warmup's local window (0: the model's), each token's document number (doc_mask; None: rows are one
-    stream), and FlexAttention's block mask for each window in use (flex only)."""
+    stream), FlexAttention's block mask for each window in use (flex only), and under YaRN the local layers'
+    rotary tables and logit scale at this window, by whether a layer's heads are paired (GPTConfig.yarn)."""
     local_window: int = 0
     docs: torch.Tensor | None = None
     block_masks: dict | None = None
+    local_rotary: dict | None = None
 
     def window(self, layer_window: int) -> int:
         return self.local_window if layer_window and self.local_window else layer_window
@@ -416,8 +413,13 @@ class CausalSelfAttention(Attention):
             q, k = rms_norm(q), rms_norm(k)
         if self.paired:  # rotary turns by the interleaved row's positions
             q, k = pair_heads(q), pair_heads(k)
+        logit_scale = 1.0
+        if c.yarn and self.window:  # a local layer: YaRN's tables at this pass's window
+            cos, sin, logit_scale = masking.local_rotary[self.paired]
         n = q.size(1)
         q, k = apply_rotary(q, cos[:, :n], sin[:, :n]), apply_rotary(k, cos[:, :n], sin[:, :n])
+        if logit_scale != 1.0:
+            q = q * logit_scale
         if c.key_offset and self.window == 0:
             k = offset_keys(k)
         v = v.view(B, T, c.kv_heads, c.head_dim)
@@ -723,14 +725,6 @@ MOE_AUX_WEIGHT = 0.01  # the load-balancing loss's weight (the Switch Transforme
 EVALUATION_CHUNK = 8192  # positions an evaluation scores at once: 8192 x 50,304 fp32 logits are 1.6 GiB
 
 
-def bigram_rows(idx: torch.Tensor, rows: int) -> torch.Tensor:
-    """(B, T) token ids -> the bigram table's row for each position: its (previous, current) pair hashed into
-    rows - 1 buckets (two odd multipliers, XOR); a row's first position, with no previous token, reads the last."""
-    idx = idx.long()
-    pairs = torch.bitwise_xor(36313 * idx[:, 1:], 27191 * idx[:, :-1]) % (rows - 1)
-    return torch.cat([torch.full_like(idx[:, :1], rows - 1), pairs], dim=1)
-
-
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -754,7 +748,8 @@ class GPT(nn.Module):
         # targets are only ever targets, so nothing from the future reaches the next-token prediction.
         self.mtp_proj = nn.ModuleList([nn.Linear(config.n_embd, config.n_embd, bias=False)
                                        for _ in range(config.mtp_k)])
-        self.rotary = Rotary(config.rotary_dim, config.block_size * (2 if config.paired_layers else 1))
+        self.rotary = Rotary(config.rotary_dim, config.block_size * (2 if config.paired_layers else 1),
+                             yarn_stages=tuple(tuple(doubling_stages(config.window * k)) for k in self.yarn_widths))
         # Bigram table: row bigram_rows(previous, current) joins block i's input times bigram_gains[i]. Made last,
         # so that the other weights draw the same initial values with it or without it; it starts at zero.
         self.bigram_embed = nn.Embedding(config.bigram_table, config.n_embd) if config.bigram_table else None
@@ -897,7 +892,16 @@ class GPT(nn.Module):
         if c.attn_impl == "flex":  # one mask per distinct window (local and global layers)
             windows = sorted({masking.window(c.layer_window(i)) for i in range(c.n_layer) if c.layer_kind(i) != "S"})
             masking.block_masks = flex_block_masks(idx.size(1), windows, idx.device, c.chunked_windows, masking.docs)
+        if c.yarn:  # a paired layer's window and warmup are twice as wide (its rows are twice as long)
+            rows, window = idx.size(1) * max(self.yarn_widths), masking.window(c.window)
+            masking.local_rotary = {k == 2: self.rotary.yarn(rows, c.window * k // 4, window * k)
+                                    for k in self.yarn_widths}
         return masking
+
+    @property
+    def yarn_widths(self) -> tuple[int, ...]:
+        """Under YaRN, the local windows' multiples that need tables: 1, and 2 for paired heads."""
+        return ((1, 2) if self.config.paired_layers else (1,)) if self.config.yarn else ()
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """The stream's start (B, T, n_embd): the token embeddings (each with a gated share of the one before, under

@@ -7,7 +7,8 @@ import torch
 
 from conftest import read_metrics, tiny_run_args, train_flags
 from model_variants import TINY, with_overrides
-from train_gpt2 import GPT, Masking, bigram_rows, main, make_optimizer, model_from_checkpoint, rms_norm
+from recipe_parts import bigram_rows, offset_keys, pair_heads, unpair_heads, yarn_rotary
+from train_gpt2 import GPT, Masking, main, make_optimizer, model_from_checkpoint, rms_norm
 
 BIGRAM = with_overrides(TINY, vocab_size=64, bigram_table=97)
 
@@ -50,12 +51,15 @@ def test_a_negative_table_size_is_refused():
 def test_a_run_with_the_parts_trains_them_and_its_checkpoint_holds_them(tmp_path, shards, capsys):
     assert main(tiny_run_args(shards, tmp_path, "bg", "--bigram_table", "97", "--attn_gate", "12",
                               "--smear_gate", "12", "--backout", "1", "--key_offset", "true", "--z_loss", "1e-4",
-                              "--dense_inputs", "1", "--hyper_streams", "2", "--optimizer", "muon")) == 0
+                              "--dense_inputs", "1", "--hyper_streams", "2", "--optimizer", "muon", "--window", "16",
+                              "--window_pattern", "LG", "--window_kind", "chunked", "--window_iters", "4",
+                              "--yarn", "true")) == 0
     losses = [r["train_loss"] for r in read_metrics(tmp_path / "bg") if "train_loss" in r]
     assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
     checkpoint = sorted((tmp_path / "bg").glob("ckpt_*.pt"))[-1]
     model, _ = model_from_checkpoint(str(checkpoint), torch.device("cpu"))
-    assert model.config.bigram_table == 97 and model.bigram_embed.weight.abs().sum() > 0  # it trained
+    assert model.config.yarn and model.config.bigram_table == 97
+    assert model.bigram_embed.weight.abs().sum() > 0  # it trained
     assert model.transformer.h[0].attn.gate.weight.abs().sum() > 0
     assert model.smear_gain != 0 and model.backout_gain != 0.5 and model.dense["1"].w_out.weight.abs().sum() > 0
     assert model.hyper[1].project.weight.abs().sum() > 0
@@ -201,7 +205,7 @@ def test_z_loss_adds_the_mean_square_of_log_z_to_the_training_objective_only():
 
 
 def test_the_key_offset_shows_the_previous_keys_slowest_rotary_dims_in_global_layers_only():
-    from train_gpt2 import CausalSelfAttention, Rotary, offset_keys
+    from train_gpt2 import CausalSelfAttention, Rotary
     k = torch.randn(2, 5, 3, 16)
     shifted = offset_keys(k)
     slow = [*range(4, 8), *range(12, 16)]  # pairs 4..7 of 8 turn slowest: dims 4..7 and their partners 12..15
@@ -321,7 +325,6 @@ def test_the_later_targets_of_a_grouped_sample_are_scored_group_by_group():
 
 
 def test_paired_heads_interleave_two_heads_tokens_and_undo_it():
-    from train_gpt2 import pair_heads, unpair_heads
     t = torch.randn(2, 5, 6, 3)  # (B, T, H, D)
     paired = pair_heads(t)
     assert paired.shape == (2, 10, 3, 3)
@@ -378,3 +381,48 @@ def test_a_run_with_paired_heads_trains_and_counts_their_longer_rows(shards, tmp
     assert main(tiny_run_args(shards, tmp_path, "plain")) == 0
     final = [read_metrics(tmp_path / name)[-1]["val_loss"] for name in ("paired", "plain")]
     assert math.isfinite(final[0]) and final[0] != final[1]
+
+
+def test_yarn_slows_the_pairs_that_turned_less_than_once_keeps_the_fast_and_blends_those_between():
+    slow, fast = 1e-4, 2 * math.pi * 40 / 64  # 0.001 and 40 turns across a window of 64
+    middle = 2 * math.pi * 16.5 / 64  # 16.5 turns: kept half, so 0.5 + 0.5 * 0.5 of its speed over 64 -> 128
+    then = 0.5 + 0.5 * (2 * 0.75 * 16.5 - 1) / 31  # 24.75 turns across 128 at that speed, over 128 -> 256
+    freq, scale = yarn_rotary(torch.tensor([slow, middle, fast], dtype=torch.float64), (64, 128, 256))
+    torch.testing.assert_close(freq, torch.tensor([slow / 4, middle * 0.75 * then, fast], dtype=torch.float64))
+    assert scale == pytest.approx((1 + 0.2 * math.log(2)) ** 2)
+    assert yarn_rotary(torch.tensor([slow]), (64,)) == (torch.tensor([slow]), 1.0)  # the first window: unchanged
+
+
+@pytest.mark.parametrize("paired", ["", "0"])
+def test_yarn_changes_only_the_local_layers_rotary_and_logit_scale_and_nothing_at_the_first_window(
+        monkeypatch, paired):
+    import train_gpt2
+    config = with_overrides(TINY, window=16, window_pattern="L", window_kind="chunked", block_size=64,
+                            paired_heads=paired)
+    idx = torch.randint(0, config.vocab_size, (2, 64))
+
+    def loss(yarn: bool, local_window: int, weights=None):
+        torch.manual_seed(0)
+        model = GPT(with_overrides(config, yarn=yarn))
+        if weights:
+            model.load_state_dict(weights)
+        return model(idx, idx, local_window=local_window)[1], model
+    for window in (4, 8, 16):  # at the first window YaRN has not changed anything yet
+        assert torch.equal(loss(True, window)[0], loss(False, window)[0]) == (window == 4)
+    # Slowed pairs alone: the plain model with tables of the slowed speeds (global layers keep theirs: none here).
+    monkeypatch.setattr(train_gpt2, "yarn_rotary", lambda inv_freq, stages: (inv_freq / len(stages), 1.0))
+    model = loss(False, 16)[1]
+    model.rotary.register_tables("", 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)) / 3,
+                                 model.rotary.cos.size(0))
+    torch.testing.assert_close(loss(True, 16)[0], model(idx, idx, local_window=16)[1])
+    # The logit scale alone: the plain model with its queries' weights scaled as much.
+    monkeypatch.setattr(train_gpt2, "yarn_rotary", lambda inv_freq, stages: (inv_freq, 2.0))
+    weights = {name: torch.cat([w[:64] * 2, w[64:]]) if name.endswith("c_attn.weight") else w  # queries' rows
+               for name, w in model.state_dict().items()}
+    torch.testing.assert_close(loss(True, 16)[0], loss(False, 16, weights)[0])
+
+
+def test_yarn_is_refused_without_a_local_layer():
+    for changes in (dict(), dict(window=16, window_pattern="G"), dict(window=16, kv_lora_rank=8, n_kv_head=0)):
+        with pytest.raises(ValueError, match="yarn re-tunes the local layers' per-head rotary"):
+            with_overrides(TINY, yarn=True, **changes)
