@@ -28,6 +28,7 @@ summary or the tool's torch.cuda.max_memory_allocated. Checks of one group run i
 import glob
 import json
 import os
+import re
 import runpy
 import shlex
 import signal
@@ -196,10 +197,23 @@ def run_check(check: Check, logs: str) -> Outcome:
         code = proc.wait()
     seconds = time.perf_counter() - start
     with open(log_path, errors="replace") as f:
-        errors = [line.strip() for line in f if line.startswith(("error:", "Traceback"))]
+        reason = failure_line(f.read().splitlines())
     ok = code == check.expect_exit
-    detail = "" if ok else f"exit {code} (expected {check.expect_exit}); " + (errors[0] if errors else log_path)
+    detail = "" if ok else f"exit {code} (expected {check.expect_exit}); " + (reason or log_path)
     return Outcome(check.name, "ok" if ok else "FAIL", peak_of(check, peak_file), seconds, detail)
+
+
+def failure_line(lines: list[str]) -> str | None:
+    """What a failed check's log says went wrong: its first `error:` line, else the exception its first traceback
+    ends with (out of memory, say, where the frames above it say nothing), cut to 200 characters."""
+    lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in lines]  # torchrun's workers prefix their lines
+    errors = [line for line in lines if line.startswith("error:")]
+    if errors:
+        return errors[0].strip()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Traceback")), None)
+    exception = None if start is None else next(
+        (line for line in lines[start + 1:] if line.strip() and not line[0].isspace()), None)
+    return exception.strip()[:200] if exception else None
 
 
 def run_group(group: list[Check], logs: str) -> list[Outcome]:

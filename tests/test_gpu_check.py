@@ -75,6 +75,9 @@ with open({str(run_dir / 'metrics.jsonl')!r}, "a") as f:
     assert 3 <= gpu_check.logged_steps(str(run_dir)) < 1000
     failed = gpu_check.run_check(fake_check(tmp_path, "print('error: no such shard x.bin'); sys.exit(2)"), str(logs))
     assert failed.status == "FAIL" and failed.detail == "exit 2 (expected 0); error: no such shard x.bin"
+    oom = gpu_check.run_check(fake_check(tmp_path, "raise MemoryError('CUDA out of memory. 62.62 MiB is free')"),
+                              str(logs))
+    assert oom.detail == "exit 1 (expected 0); MemoryError: CUDA out of memory. 62.62 MiB is free"
     text = gpu_check.table([outcome, failed], 22)
     assert "| fake | ok | 1,234 MiB |" in text and "| fake | FAIL | 1,234 MiB |" in text
 
@@ -102,3 +105,15 @@ def test_bad_input_is_one_line(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1
     assert not os.path.exists(REPO / "logs" / "gpu-check")
+
+
+def test_a_failure_is_told_by_its_error_line_or_the_exception_its_first_traceback_ends_with():
+    torchrun = ["[rank0]: Traceback (most recent call last):", '[rank0]:   File "x.py", line 3, in <module>',
+                "[rank0]:     buf = empty_strided_cuda((49152, 50304))", "[rank0]:           ^^^^^^^^^^",
+                "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.61 GiB.",
+                "Traceback (most recent call last):", "torch.distributed.elastic.ChildFailedError:"]
+    assert gpu_check.failure_line(torchrun) == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.61 GiB."
+    assert gpu_check.failure_line(["notice: x", "error: --batch_size 3: too large", *torchrun]) == \
+        "error: --batch_size 3: too large"
+    assert gpu_check.failure_line(["step 1", "step 2"]) is None
+    assert len(gpu_check.failure_line(["Traceback (most recent call last):", "E: " + "x" * 300])) == 200
