@@ -894,7 +894,7 @@ class GPT(nn.Module):
             masking.block_masks = flex_block_masks(idx.size(1), windows, idx.device, c.chunked_windows, masking.docs)
         if c.yarn:  # a paired layer's window and warmup are twice as wide (its rows are twice as long)
             rows, window = idx.size(1) * max(self.yarn_widths), masking.window(c.window)
-            masking.local_rotary = {k == 2: self.rotary.yarn(rows, c.window * k // 4, window * k)
+            masking.local_rotary = {k == 2: self.rotary.yarn(rows, doubling_stages(c.window * k)[0], window * k)
                                     for k in self.yarn_widths}
         return masking
 
