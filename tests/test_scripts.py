@@ -96,6 +96,36 @@ def test_throughput_sh_runs_the_40_step_protocol_for_each_model(tmp_path):
     assert bash("scripts/throughput.sh", str(tmp_path / "missing")).returncode == 2
 
 
+def test_throughput_sh_alternates_named_specs_over_rounds(tmp_path):
+    data = tmp_path / "p40"
+    make_shards(data, prefix="mix")
+    common = ["--vocab_size", "256", "--device", "cpu", "--batch_size", "2", "--sequence_length", "32",
+              "--grad_accumulation_steps", "1", "--val_batch_size", "2", "--val_tokens", "256", "--n_layer", "1",
+              "--n_embd", "32", "--n_head", "2"]
+    env = {"OUTPUT_DIR": str(tmp_path / "logs"), "MEMORY_CAP_GIB": "none", "ROUNDS": "2"}
+    result = bash("scripts/throughput.sh", str(data), "tiny", "wide:tiny --n_embd 64", "--", *common, env_extra=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [row.split()[0] for row in table_rows(result.stdout)] == ["tiny", "tiny-2", "wide", "wide-2"]  # repeats
+    work = next((tmp_path / "logs").glob("throughput-*"))
+    started = sorted(("tiny", "wide", "tiny-2", "wide-2"), key=lambda run: (work / run / "config.json").stat().st_mtime)
+    assert started == ["tiny", "wide", "tiny-2", "wide-2"]  # run in turn: A B A B
+    widths = {run: json.loads((work / run / "config.json").read_text())["model_config"]["n_embd"]
+              for run in ("tiny", "wide", "tiny-2", "wide-2")}
+    assert widths == {"tiny": 32, "wide": 64, "tiny-2": 32, "wide-2": 64}  # a spec's own flags win over the common
+
+
+@pytest.mark.parametrize("specs, rounds, message", [
+    (["tiny", "tiny:d12 --n_layer 1"], "1", "two specs are named tiny"),
+    (["tiny"], "two", "ROUNDS=two"),
+])
+def test_throughput_sh_refuses_specs_it_cannot_tell_apart(tmp_path, specs, rounds, message):
+    make_shards(tmp_path / "p40", prefix="mix")
+    result = bash("scripts/throughput.sh", str(tmp_path / "p40"), *specs,
+                  env_extra={"OUTPUT_DIR": str(tmp_path / "logs"), "ROUNDS": rounds})
+    assert result.returncode == 2 and message in result.stderr.splitlines()[-1]
+    assert not (tmp_path / "logs").exists()  # refused before any run
+
+
 def stub_repo(tmp_path, *scripts):
     """A copy of the repo's given scripts and model_variants.py, whose setup.sh, train_gpt2.py, data/fineweb.py and
     scripts/launch.py only record how they were called (in calls.txt); returns the PATH to run them with."""
