@@ -47,6 +47,8 @@ def test_the_scripts_pass_the_trainer_flags_it_accepts(tmp_path):
     assert "calibrate" not in checks and "calibrate" in the_checks(tmp_path, record=str(tmp_path))
     groups = gpu_check.checks(Namespace(data="d", work="w", record=None, cap_gib=22.0))
     assert [c.name for c in groups[-1]] == ["throughput"]  # last and alone: its tokens/s are its own
+    first = gpu_check.checks(Namespace(data="d", work="w", record="r", cap_gib=22.0))[:2]
+    assert [[c.name for c in group] for group in first] == [["calibrate"], ["P100 parts"]]  # the longest start first
 
 
 def fake_check(tmp_path, body: str, **fields) -> gpu_check.Check:
