@@ -108,6 +108,10 @@ class GPTConfig:
     # sharpen by 1 + 0.2 ln(new/old) (YaRN, Peng et al. 2023; modded-nanogpt's window schedule, 2025-09).
     yarn: bool = knob(False, "the local layers' rotary pairs and logit scale follow the window warmup's doublings "
                              "as YaRN extends a context (without a warmup: as if it had run)")
+    # Evaluation costs no training step: a local window wider than the trained one gives each token more context,
+    # YaRN stretching the rotary to it as at each doubling (modded-nanogpt validates at ~1.5x its last window).
+    eval_window: int = knob(0, "with yarn: the local layers' window when evaluating, a multiple of window (e.g. "
+                               "512 for 256; 0: the trained window)")
     # Two heads that read each other's keys see twice the context for one head's cost in keys: a pair's tokens
     # interleaved into one row twice as long, rotary turning by that row's positions (modded-nanogpt, 2026-01).
     paired_heads: str = knob("", "blocks whose attention heads attend in pairs, e.g. 0,2,5,9: heads 2i and 2i+1 "
@@ -202,6 +206,10 @@ class GPTConfig:
         if self.yarn and (self.kv_lora_rank or "L" not in self.window_pattern or not self.window):
             raise ValueError("yarn re-tunes the local layers' per-head rotary: it needs a window, L in window_pattern "
                              "and no kv_lora_rank")
+        if self.eval_window and not (self.yarn and self.eval_window > self.window
+                                     and self.eval_window % self.window == 0):
+            raise ValueError(f"eval_window={self.eval_window} stretches YaRN's rotary past the trained window: pass "
+                             f"yarn True and a multiple of window={self.window} above it")
         if self.key_offset and self.kv_lora_rank:
             raise ValueError("key_offset shifts the heads' rotary dims; latent attention (kv_lora_rank) turns only "
                              "a decoupled part: pass one of them")

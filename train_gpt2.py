@@ -252,10 +252,10 @@ def document_ids(idx: torch.Tensor, doc_token: int) -> torch.Tensor:
 
 @dataclass
 class Masking:
-    """What limits attention in one forward pass besides causality and each layer's own window: the window
-    warmup's local window (0: the model's), each token's document number (doc_mask; None: rows are one
-    stream), FlexAttention's block mask for each window in use (flex only), and under YaRN the local layers'
-    rotary tables and logit scale at this window, by whether a layer's heads are paired (GPTConfig.yarn)."""
+    """What limits attention in one forward pass besides causality and each layer's own window: the local window
+    (the window warmup's in training, eval_window's in evaluation; 0: the model's), each token's document number
+    (doc_mask; None: rows are one stream), FlexAttention's block mask for each window in use (flex only), and under
+    YaRN the local layers' rotary tables and logit scale at this window, by whether a layer's heads are paired."""
     local_window: int = 0
     docs: torch.Tensor | None = None
     block_masks: dict | None = None
@@ -749,7 +749,7 @@ class GPT(nn.Module):
         self.mtp_proj = nn.ModuleList([nn.Linear(config.n_embd, config.n_embd, bias=False)
                                        for _ in range(config.mtp_k)])
         self.rotary = Rotary(config.rotary_dim, config.block_size * (2 if config.paired_layers else 1),
-                             yarn_stages=tuple(tuple(doubling_stages(config.window * k)) for k in self.yarn_widths))
+                             yarn_stages=tuple(self.yarn_stages(k) for k in self.yarn_widths))
         # Bigram table: row bigram_rows(previous, current) joins block i's input times bigram_gains[i]. Made last,
         # so that the other weights draw the same initial values with it or without it; it starts at zero.
         self.bigram_embed = nn.Embedding(config.bigram_table, config.n_embd) if config.bigram_table else None
@@ -884,17 +884,17 @@ class GPT(nn.Module):
         return logits, loss, aux
 
     def masking(self, idx: torch.Tensor, local_window: int) -> Masking:
-        """What the blocks' attention masks: the window warmup's local window (training), the documents
-        (doc_mask), and flex attention's block masks, one per distinct window."""
+        """What the blocks' attention masks: the local window (the warmup's in training, eval_window's in
+        evaluation), the documents (doc_mask), and flex attention's block masks, one per distinct window."""
         c = self.config
-        masking = Masking(local_window if self.training else 0,
+        masking = Masking(local_window if self.training else c.eval_window,
                           document_ids(idx, c.doc_token) if c.doc_mask else None)
         if c.attn_impl == "flex":  # one mask per distinct window (local and global layers)
             windows = sorted({masking.window(c.layer_window(i)) for i in range(c.n_layer) if c.layer_kind(i) != "S"})
             masking.block_masks = flex_block_masks(idx.size(1), windows, idx.device, c.chunked_windows, masking.docs)
         if c.yarn:  # a paired layer's window and warmup are twice as wide (its rows are twice as long)
             rows, window = idx.size(1) * max(self.yarn_widths), masking.window(c.window)
-            masking.local_rotary = {k == 2: self.rotary.yarn(rows, doubling_stages(c.window * k)[0], window * k)
+            masking.local_rotary = {k == 2: self.rotary.yarn(rows, self.yarn_stages(k)[0], window * k)
                                     for k in self.yarn_widths}
         return masking
 
@@ -902,6 +902,11 @@ class GPT(nn.Module):
     def yarn_widths(self) -> tuple[int, ...]:
         """Under YaRN, the local windows' multiples that need tables: 1, and 2 for paired heads."""
         return ((1, 2) if self.config.paired_layers else (1,)) if self.config.yarn else ()
+
+    def yarn_stages(self, k: int) -> tuple[int, ...]:
+        """The windows a local layer k times as wide widens through: the warmup's, then evaluation's (eval_window)."""
+        c = self.config
+        return (*doubling_stages(c.window * k), *((c.eval_window * k,) if c.eval_window else ()))
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """The stream's start (B, T, n_embd): the token embeddings (each with a gated share of the one before, under
@@ -1515,10 +1520,16 @@ def untie_step(config: GPTConfig, num_iterations: int) -> float:
     return round(config.untie_at * num_iterations) if config.untie_at else math.inf
 
 
-def model_from_checkpoint(path: str, device: torch.device, flag: str = "--checkpoint") -> tuple[GPT, dict]:
-    """The model a checkpoint holds (any variant: its config travels with it), and the checkpoint."""
+def model_from_checkpoint(path: str, device: torch.device, flag: str = "--checkpoint",
+                          eval_window: int | None = None) -> tuple[GPT, dict]:
+    """The model a checkpoint holds (any variant: its config travels with it), and the checkpoint; eval_window:
+    evaluate it at that local window instead of its own (GPTConfig.eval_window)."""
     ckpt = load_checkpoint(path, expected={}, flag=flag)
-    model = GPT(GPTConfig(**ckpt["model_config"]))
+    try:
+        model = GPT(GPTConfig(**{**ckpt["model_config"], **({} if eval_window is None else
+                                                              {"eval_window": eval_window})}))
+    except ValueError as e:
+        raise InputError(f"--eval_window {eval_window}: {e}") from None
     model.load_state_dict(ckpt["model"])
     model.untied = ckpt.get("step", 0) > untie_step(model.config, (ckpt.get("flags") or {}).get("num_iterations", 0))
     return model.to(device), ckpt

@@ -65,6 +65,27 @@ def test_a_run_with_the_parts_trains_them_and_its_checkpoint_holds_them(tmp_path
     assert model.hyper[1].project.weight.abs().sum() > 0
 
 
+def test_eval_window_scores_a_trained_checkpoint_as_a_run_that_evaluated_at_it(tmp_path, shards, capsys):
+    import sys
+    from conftest import REPO
+    sys.path.insert(0, str(REPO / "scripts"))
+    import eval_checkpoint
+    local = ["--window", "8", "--window_pattern", "LG", "--window_kind", "chunked", "--yarn", "true"]
+    assert main(tiny_run_args(shards, tmp_path, "trained", *local)) == 0
+    assert main(tiny_run_args(shards, tmp_path, "wide", *local, "--eval_window", "16")) == 0
+    losses = {name: [r["val_loss"] for r in read_metrics(tmp_path / name) if "val_loss" in r]
+              for name in ("trained", "wide")}
+    assert losses["trained"][-1] != losses["wide"][-1]
+    checkpoint = str(sorted((tmp_path / "trained").glob("ckpt_*.pt"))[-1])
+    capsys.readouterr()
+    flags = ["--checkpoint", checkpoint, "--val_bin", shards[1], "--val_tokens", "256", "--val_batch_size", "2",
+             "--sequence_length", "32", "--device", "cpu"]
+    assert eval_checkpoint.main([*flags, "--eval_window", "16"]) == 0  # the same weights: training did not differ
+    assert capsys.readouterr().out.strip() == f"val_loss: {losses['wide'][-1]:.6f}"
+    assert eval_checkpoint.main([*flags, "--eval_window", "12"]) == 2
+    assert capsys.readouterr().err.startswith("error: --eval_window 12: eval_window=12 stretches YaRN's rotary")
+
+
 def test_the_attention_gate_starts_at_half_and_lets_each_head_say_nothing():
     from train_gpt2 import CausalSelfAttention, Rotary
     gated_config = with_overrides(TINY, attn_gate=3)  # 4 heads of 16
@@ -420,6 +441,38 @@ def test_yarn_changes_only_the_local_layers_rotary_and_logit_scale_and_nothing_a
     weights = {name: torch.cat([w[:64] * 2, w[64:]]) if name.endswith("c_attn.weight") else w  # queries' rows
                for name, w in model.state_dict().items()}
     torch.testing.assert_close(loss(True, 16)[0], loss(False, 16, weights)[0])
+
+
+@pytest.mark.parametrize("paired", ["", "0"])
+def test_eval_window_evaluates_a_wider_window_on_yarns_stretched_rotary_and_leaves_training_alone(
+        monkeypatch, paired):
+    import train_gpt2
+    monkeypatch.setattr(train_gpt2, "yarn_rotary", lambda inv_freq, stages: (inv_freq / len(stages), 1.5))
+    config = with_overrides(TINY, window=16, window_pattern="L", window_kind="chunked", block_size=64,
+                            paired_heads=paired, yarn=True)
+    idx = torch.randint(0, config.vocab_size, (2, 64))
+
+    def model(**changes):
+        torch.manual_seed(0)
+        return GPT(with_overrides(config, **changes))
+    trained, wide = model(), model(eval_window=32)
+    assert torch.equal(trained(idx, idx, local_window=16)[1], wide(idx, idx, local_window=16)[1])  # training: as is
+    trained.eval(), wide.eval()
+    assert not torch.equal(trained(idx, idx)[1], wide(idx, idx)[1])
+    # Evaluation: the plain model at window 32 with the tables of four stages (4, 8, 16, 32) and its queries' weights
+    # scaled by the logit scale.
+    plain = model(yarn=False, window=32).eval()
+    plain.rotary.register_tables("", 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)) / 4,
+                                 plain.rotary.cos.size(0))
+    plain.load_state_dict({name: torch.cat([w[:64] * 1.5, w[64:]]) if name.endswith("c_attn.weight") else w
+                           for name, w in wide.state_dict().items()})
+    torch.testing.assert_close(wide(idx, idx)[1], plain(idx, idx)[1])
+
+
+@pytest.mark.parametrize("changes", [dict(yarn=False), dict(eval_window=24), dict(eval_window=16)])
+def test_eval_window_is_refused_without_yarn_or_off_the_windows_multiples(changes):
+    with pytest.raises(ValueError, match="eval_window=.* stretches YaRN's rotary past the trained window"):
+        with_overrides(TINY, **{"window": 16, "window_pattern": "L", "yarn": True, "eval_window": 32, **changes})
 
 
 def test_yarn_is_refused_without_a_local_layer():
