@@ -294,6 +294,22 @@ def test_soap_resumed_from_its_state_dict_goes_on_as_the_uninterrupted_one():
     torch.testing.assert_close(p.detach(), whole)
 
 
+def test_soap_multiplies_in_tf32_inside_its_step_only(monkeypatch):
+    from optimizers import SOAP
+    seen = []
+
+    def update(self, p, grad, group):
+        seen.append(torch.backends.cuda.matmul.allow_tf32)
+        raise RuntimeError("a failing step")
+    monkeypatch.setattr(SOAP, "update", update)
+    p = torch.nn.Parameter(torch.ones(4, 3))
+    p.grad = torch.ones(4, 3)
+    assert not torch.backends.cuda.matmul.allow_tf32
+    with pytest.raises(RuntimeError, match="a failing step"):
+        SOAP([p], lr=0.01).step()
+    assert seen == [True] and not torch.backends.cuda.matmul.allow_tf32  # restored even so: evaluation stays fp32
+
+
 def test_soap_takes_the_hidden_matrices_and_adamw_the_rest():
     from model_variants import TINY, with_overrides
     from optimizers import SOAP
