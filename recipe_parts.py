@@ -1,5 +1,5 @@
 """The tensor math of parts the public speedrun records proved on FineWeb and no recipe here uses yet, each
-behind its GPTConfig knob (the trainer's model wires them in; docs/RESULTS.md says what each measured on P100):
+behind its GPTConfig knob (the trainer's model wires them in; each is judged on P100 by docs/BENCHMARKS.md's rule):
 
     yarn_rotary    local layers' rotary speeds and logit scale as their window widens (yarn)
     pair_heads     two heads' tokens interleaved into one row twice as long, and back (paired_heads)

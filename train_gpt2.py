@@ -24,7 +24,7 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import NamedTuple
 
 try:  # a few seconds of loading torch: Ctrl-C there is a stop, not a traceback of the import machinery
@@ -1525,11 +1525,13 @@ def model_from_checkpoint(path: str, device: torch.device, flag: str = "--checkp
     """The model a checkpoint holds (any variant: its config travels with it), and the checkpoint; eval_window:
     evaluate it at that local window instead of its own (GPTConfig.eval_window)."""
     ckpt = load_checkpoint(path, expected={}, flag=flag)
-    try:
-        model = GPT(GPTConfig(**{**ckpt["model_config"], **({} if eval_window is None else
-                                                              {"eval_window": eval_window})}))
-    except ValueError as e:
-        raise InputError(f"--eval_window {eval_window}: {e}") from None
+    config = GPTConfig(**ckpt["model_config"])
+    if eval_window is not None:
+        try:
+            config = replace(config, eval_window=eval_window)
+        except ValueError as e:
+            raise InputError(f"--eval_window {eval_window}: {e}") from None
+    model = GPT(config)
     model.load_state_dict(ckpt["model"])
     model.untied = ckpt.get("step", 0) > untie_step(model.config, (ckpt.get("flags") or {}).get("num_iterations", 0))
     return model.to(device), ckpt

@@ -144,8 +144,8 @@ def checks(args) -> list[list[Check]]:
     profile = [Check("profile --compile", tool(cap, "scripts/profile_model.py", "--model", "d12_fast",
                                                "--batch_size", "16", "--sequence_length", "4096", "--compile",
                                                "--input_bin", os.path.join(data, "mix_train_000001.bin")))]
-    # The longest first (seconds on an H200 beside other runs: a record's compile ~700, the parts' ~650, resume and
-    # the main job ~300 each), so that --jobs N ends together rather than on one long check started last.
+    # The longest first (a record's compile, then every part's at once, then the two resume runs and the main job),
+    # so that --jobs N ends together rather than on one long check started last.
     groups = [calibrate, p100[-1:], resume, main_group, baseline, *([c] for c in reversed(p100[:-1])), profile]
     if gpu_count() >= 2:
         groups.append([Check("torchrun x2", ["env", "NPROC=2", *main_job(data, work, "torchrun", cap, steps=24)],

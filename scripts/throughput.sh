@@ -9,9 +9,9 @@
 # moves it little; the compile time is reported beside it, never inside it.
 #   bash scripts/throughput.sh DATA_DIR [SPEC ...] [-- extra train_gpt2.py flags for every run]
 # A SPEC is a model, or `NAME:MODEL FLAGS` in one argument (a part on a recipe: "vemb:d12_fast --value_embeds 3").
-# ROUNDS=N runs the list N times in turn (A B A B: two H100s differ by ~2%, one GPU drifts less; the k-th round's
-# runs are NAME-k). DATA_DIR holds mix_train_000001.bin, mix_train_000002.bin and mix_val_000000.bin (decompressed
-# from ../shared/data/proxy). Default: d12_fast. MEMORY_CAP_GIB=none drops the cap (CPU runs).
+# ROUNDS=N runs the list N times in turn (A B A B on one GPU: a difference is read beside its repeats' spread; the
+# k-th round's runs are NAME-k). DATA_DIR holds mix_train_000001.bin, mix_train_000002.bin and mix_val_000000.bin (decompressed
+# from ../shared/data/proxy). Default: d12_fast. MEMORY_CAP_GIB=none drops the cap (without a GPU there is none).
 # Output: logs/throughput-<time>/<name>/ per run, then the comparison table on stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +27,9 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do models+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 [ ${#models[@]} -eq 0 ] && models=(d12_fast)
 cap=()
+if [ -z "${MEMORY_CAP_GIB:-}" ] && ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  MEMORY_CAP_GIB=none  # a cap limits GPU memory: on a CPU the runs go uncapped
+fi
 [ "${MEMORY_CAP_GIB:-22}" != none ] && cap=(--memory_cap_gib "${MEMORY_CAP_GIB:-22}")
 # The recipe's compile tuning, none where it has none (coordinate descent costs compile time only).
 compile_tuning() {

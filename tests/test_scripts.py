@@ -102,7 +102,7 @@ def test_throughput_sh_alternates_named_specs_over_rounds(tmp_path):
     common = ["--vocab_size", "256", "--device", "cpu", "--batch_size", "2", "--sequence_length", "32",
               "--grad_accumulation_steps", "1", "--val_batch_size", "2", "--val_tokens", "256", "--n_layer", "1",
               "--n_embd", "32", "--n_head", "2"]
-    env = {"OUTPUT_DIR": str(tmp_path / "logs"), "MEMORY_CAP_GIB": "none", "ROUNDS": "2"}
+    env = {"OUTPUT_DIR": str(tmp_path / "logs"), "ROUNDS": "2"}  # no MEMORY_CAP_GIB: none without a GPU
     result = bash("scripts/throughput.sh", str(data), "tiny", "wide:tiny --n_embd 64", "--", *common, env_extra=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert [row.split()[0] for row in table_rows(result.stdout)] == ["tiny", "tiny-2", "wide", "wide-2"]  # repeats
@@ -112,6 +112,7 @@ def test_throughput_sh_alternates_named_specs_over_rounds(tmp_path):
     widths = {run: json.loads((work / run / "config.json").read_text())["model_config"]["n_embd"]
               for run in ("tiny", "wide", "tiny-2", "wide-2")}
     assert widths == {"tiny": 32, "wide": 64, "tiny-2": 32, "wide-2": 64}  # a spec's own flags win over the common
+    assert json.loads((work / "tiny" / "config.json").read_text())["args"]["memory_cap_gib"] is None
 
 
 @pytest.mark.parametrize("specs, rounds, message", [
