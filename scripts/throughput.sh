@@ -10,8 +10,9 @@
 #   bash scripts/throughput.sh DATA_DIR [SPEC ...] [-- extra train_gpt2.py flags for every run]
 # A SPEC is a model, or `NAME:MODEL FLAGS` in one argument (a part on a recipe: "vemb:d12_fast --value_embeds 3").
 # ROUNDS=N runs the list N times in turn (A B A B on one GPU: a difference is read beside its repeats' spread; the
-# k-th round's runs are NAME-k). DATA_DIR holds mix_train_000001.bin, mix_train_000002.bin and mix_val_000000.bin (decompressed
-# from ../shared/data/proxy). Default: d12_fast. MEMORY_CAP_GIB=none drops the cap (without a GPU there is none).
+# k-th round's runs are NAME-k). DATA_DIR holds mix_train_000001.bin, mix_train_000002.bin and mix_val_000000.bin
+# (decompressed from ../shared/data/proxy). Default: d12_fast. MEMORY_CAP_GIB=none drops the cap (without a GPU
+# there is none).
 # Output: logs/throughput-<time>/<name>/ per run, then the comparison table on stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
