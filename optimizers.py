@@ -204,12 +204,14 @@ class SOAP(torch.optim.Optimizer):
     moment in the rotated one. The update is Q_L (rotated first moment / sqrt(second moment)) Q_R^T, with
     decoupled weight decay. The first step only builds L, R and the bases: a gradient never rotates itself.
     Each moment's decay is bias-corrected as it is applied (beta_t = 1 - (1 - beta) / (1 - beta^t)), so the
-    moments are Adam's bias-corrected ones; L and R decay with Adam's second-moment beta."""
+    moments are Adam's bias-corrected ones; L and R decay with Adam's second-moment beta. A side longer than
+    `max_dim` keeps its axes (no statistics, no basis: Adam along it), as SOAP's max_precond_dim: its basis would
+    cost the most (products and a QR of that size) for the least (such sides are wide MLP or vocabulary ones)."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.95, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, precondition_frequency: int = 10):
+                 weight_decay: float = 0.0, precondition_frequency: int = 10, max_dim: int = 10000):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      precondition_frequency=precondition_frequency))
+                                      precondition_frequency=precondition_frequency, max_dim=max_dim))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -231,20 +233,25 @@ class SOAP(torch.optim.Optimizer):
     def update(self, p: torch.Tensor, grad: torch.Tensor, group: dict):
         state = self.state[p]
         if not state:
-            state.update(step=0, exp_avg=torch.zeros_like(grad), exp_avg_sq=torch.zeros_like(grad),
-                         L=grad @ grad.T, R=grad.T @ grad)
-            state["Q_L"], state["Q_R"] = descending_eigenvectors(state["L"]), descending_eigenvectors(state["R"])
+            rows, cols = grad.shape
+            L = grad @ grad.T if rows <= group["max_dim"] else None
+            R = grad.T @ grad if cols <= group["max_dim"] else None
+            state.update(step=0, exp_avg=torch.zeros_like(grad), exp_avg_sq=torch.zeros_like(grad), L=L, R=R,
+                         Q_L=None if L is None else descending_eigenvectors(L),
+                         Q_R=None if R is None else descending_eigenvectors(R))
             return
         state["step"] += 1
         (beta1, beta2), step = group["betas"], state["step"]
         decay1, decay2 = (1 - (1 - beta) / (1 - beta**step) for beta in (beta1, beta2))
         Q_L, Q_R = state["Q_L"], state["Q_R"]
         state["exp_avg"].lerp_(grad, 1 - decay1)
-        state["exp_avg_sq"].lerp_((Q_L.T @ grad @ Q_R).square(), 1 - decay2)
-        rotated = (Q_L.T @ state["exp_avg"] @ Q_R) / state["exp_avg_sq"].sqrt().clamp(min=group["eps"])
-        update = Q_L @ rotated @ Q_R.T
-        state["L"].lerp_(grad @ grad.T, 1 - decay2)
-        state["R"].lerp_(grad.T @ grad, 1 - decay2)
+        state["exp_avg_sq"].lerp_(in_bases(grad, Q_L, Q_R).square(), 1 - decay2)
+        rotated = in_bases(state["exp_avg"], Q_L, Q_R) / state["exp_avg_sq"].sqrt().clamp(min=group["eps"])
+        update = in_bases(rotated, Q_L, Q_R, back=True)
+        if state["L"] is not None:
+            state["L"].lerp_(grad @ grad.T, 1 - decay2)
+        if state["R"] is not None:
+            state["R"].lerp_(grad.T @ grad, 1 - decay2)
         if step % group["precondition_frequency"] == 0:
             self.refresh_bases(state)
         p.mul_(1 - group["lr"] * group["weight_decay"]).add_(update.to(p.dtype), alpha=-group["lr"])
@@ -255,11 +262,22 @@ class SOAP(torch.optim.Optimizer):
         largest first; the second moment's rows and columns follow their basis vectors."""
         order = []
         for side in ("L", "R"):
+            if state[side] is None:  # a side kept on its axes
+                order.append(slice(None))
+                continue
             moved = state[side] @ state[f"Q_{side}"]
             ranking = torch.argsort((state[f"Q_{side}"] * moved).sum(dim=0), descending=True)
             state[f"Q_{side}"] = torch.linalg.qr(moved[:, ranking])[0]
             order.append(ranking)
         state["exp_avg_sq"] = state["exp_avg_sq"][order[0]][:, order[1]]
+
+
+def in_bases(x: torch.Tensor, Q_L: torch.Tensor | None, Q_R: torch.Tensor | None, back: bool = False) -> torch.Tensor:
+    """x (m x n) in the bases' coordinates, Q_L^T x Q_R (back: Q_L x Q_R^T, out of them); a side without a basis
+    (None) stays on its axes."""
+    if Q_L is not None:
+        x = (Q_L if back else Q_L.T) @ x
+    return x if Q_R is None else x @ (Q_R.T if back else Q_R)
 
 
 def descending_eigenvectors(matrix: torch.Tensor) -> torch.Tensor:

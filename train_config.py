@@ -124,6 +124,9 @@ class TrainConfig:
     soap_update_every: int = flag("optimization", 10,
                 "--optimizer soap: steps between refreshes of the preconditioner's eigenbases (SOAP's "
                 "precondition_frequency)")
+    soap_max_dim: int = flag("optimization", 10000,
+                "--optimizer soap: a matrix side longer than this keeps its axes, Adam along it (SOAP's "
+                "max_precond_dim): no statistics or basis of that size, each a product and a QR of it")
     muon_momentum_warmup: int = flag("optimization", 0,
                 f"raise Muon's momentum linearly from 0.85 to {MUON_MOMENTUM} over this many steps")
     normuon_beta2: float = flag("optimization", 0.0,
@@ -331,6 +334,8 @@ class TrainConfig:
         for name in ("learning_rate", "embed_lr", "scalar_lr", "muon_lr", "soap_lr", "weight_decay"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) < math.inf:
                 raise InputError(f"--{name} {getattr(self, name)} must be a finite number >= 0")
+        if self.soap_max_dim < 1:
+            raise InputError(f"--soap_max_dim {self.soap_max_dim} must be >= 1 (the longest side given a basis)")
         if self.soap_update_every < 1:
             raise InputError(f"--soap_update_every {self.soap_update_every} must be >= 1 (steps between refreshes)")
         if not 0 <= self.normuon_beta2 < 1:

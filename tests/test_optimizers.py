@@ -276,17 +276,50 @@ def test_soap_updates_turn_with_the_weights_axes_as_shampoo_does_and_adam_does_n
     assert not torch.allclose(adam.detach(), turned, atol=1e-3)  # elementwise Adam sees the axes
 
 
-def test_soap_resumed_from_its_state_dict_goes_on_as_the_uninterrupted_one():
+def test_soap_with_every_side_past_max_dim_is_adamw_from_its_second_step():
+    torch.manual_seed(0)
+    weight = torch.randn(6, 4, dtype=torch.float64)
+    grads = [torch.randn(6, 4, dtype=torch.float64) for _ in range(7)]
+    soap = soap_trajectory(weight, grads, lr=0.01, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.1,
+                           precondition_frequency=2, max_dim=3)
+    p = torch.nn.Parameter(weight.clone())
+    adamw = torch.optim.AdamW([p], lr=0.01, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.1)
+    for grad in grads[1:]:
+        p.grad = grad.clone()
+        adamw.step()
+    torch.testing.assert_close(soap, p.detach())
+    # Below max_dim the bases rotate the same gradients: not AdamW.
+    assert not torch.allclose(soap_trajectory(weight, grads, lr=0.01, precondition_frequency=2), p.detach())
+
+
+def test_soap_past_max_dim_on_one_side_turns_with_the_other_side_only():
+    torch.manual_seed(0)
+    rows, cols = 6, 3  # the rows (6) past max_dim: they keep their axes; the columns (3) get a basis
+    weight = torch.randn(rows, cols, dtype=torch.float64)
+    grads = [torch.randn(rows, cols, dtype=torch.float64) for _ in range(8)]
+    U = torch.linalg.qr(torch.randn(rows, rows, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(cols, cols, dtype=torch.float64))[0]
+    settings = dict(lr=0.01, betas=(0.9, 0.95), precondition_frequency=3, max_dim=4)
+    plain = soap_trajectory(weight, grads, **settings)
+    turned = soap_trajectory(weight @ V.T, [g @ V.T for g in grads], **settings)
+    torch.testing.assert_close(turned, plain @ V.T)
+    turned = soap_trajectory(U @ weight, [U @ g for g in grads], **settings)
+    assert not torch.allclose(turned, U @ plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("max_dim", [10000, 3])  # 3: the rows keep their axes (no L, no Q_L in the state)
+def test_soap_resumed_from_its_state_dict_goes_on_as_the_uninterrupted_one(max_dim):
     from optimizers import SOAP
     torch.manual_seed(0)
     grads = [torch.randn(4, 3) for _ in range(7)]
-    whole = soap_trajectory(torch.ones(4, 3), grads, lr=0.01, precondition_frequency=2)
-    p = torch.nn.Parameter(soap_trajectory(torch.ones(4, 3), grads[:4], lr=0.01, precondition_frequency=2))
-    first = SOAP([torch.nn.Parameter(torch.ones(4, 3))], lr=0.01, precondition_frequency=2)
+    whole = soap_trajectory(torch.ones(4, 3), grads, lr=0.01, precondition_frequency=2, max_dim=max_dim)
+    p = torch.nn.Parameter(soap_trajectory(torch.ones(4, 3), grads[:4], lr=0.01, precondition_frequency=2,
+                                           max_dim=max_dim))
+    first = SOAP([torch.nn.Parameter(torch.ones(4, 3))], lr=0.01, precondition_frequency=2, max_dim=max_dim)
     for grad in grads[:4]:
         first.param_groups[0]["params"][0].grad = grad.clone()
         first.step()
-    resumed = SOAP([p], lr=0.01, precondition_frequency=2)
+    resumed = SOAP([p], lr=0.01, precondition_frequency=2, max_dim=max_dim)
     resumed.load_state_dict(first.state_dict())
     for grad in grads[4:]:
         p.grad = grad.clone()
@@ -316,8 +349,10 @@ def test_soap_takes_the_hidden_matrices_and_adamw_the_rest():
     from train_gpt2 import GPT, make_optimizer
     model = GPT(with_overrides(TINY, vocab_size=64, x0_mix=True))
     soap, adamw = make_optimizer(model, train_flags("--optimizer", "soap", "--soap_lr", "0.004", "--scalar_lr",
-                                                    "0.04", "--soap_update_every", "5"), torch.device("cpu")).optimizers
+                                                    "0.04", "--soap_update_every", "5", "--soap_max_dim", "96"),
+                                 torch.device("cpu")).optimizers
     assert isinstance(soap, SOAP) and soap.param_groups[0]["precondition_frequency"] == 5
+    assert soap.param_groups[0]["max_dim"] == 96
     blocks = {id(m.weight) for m in model.transformer.h.modules() if isinstance(m, torch.nn.Linear)}
     assert {id(p) for p in soap.param_groups[0]["params"]} == blocks and soap.param_groups[0]["lr"] == 0.004
     assert {g["lr"] for g in adamw.param_groups} == {0.0018, 0.04}  # the head at --learning_rate, the gains' own
