@@ -329,6 +329,20 @@ class TrainConfig:
                              f"must be a multiple of it, so that NoCap's rows of the same tokens can be scored too; "
                              f"pass {self.val_row_length // NOCAP_VAL_ROW * NOCAP_VAL_ROW or NOCAP_VAL_ROW} or "
                              f"{(self.val_row_length // NOCAP_VAL_ROW + 1) * NOCAP_VAL_ROW}")
+        self.check_optimizer_flags()
+        if self.log_wandb:  # on every rank, before any waits for others
+            need_package("wandb", "--log_wandb")
+        if overtime_applies(self) and self.lr_floor == 0:
+            raise InputError(f"--overtime_steps {self.overtime_steps} trains at the schedule's final learning rate, "
+                             "--lr_floor x the peak, which is 0; pass --lr_floor > 0 (e.g. 0.1) or --overtime_steps 0")
+        if self.val_loss_every == "auto" and self.target_val_loss <= 0:
+            raise InputError("--val_loss_every auto spaces evaluations by the distance to --target_val_loss; pass a "
+                             "target > 0, or a step count")
+        if overtime_applies(self) and self.val_loss_every == 0:
+            raise InputError(f"--overtime_steps {self.overtime_steps} stops at the first evaluation under the target; "
+                             "pass --val_loss_every > 0")
+
+    def check_optimizer_flags(self):
         if self.optimizer == "adamw8bit":
             need_package("torchao", "--optimizer adamw8bit (its 8-bit AdamW)")
         for name in ("learning_rate", "embed_lr", "scalar_lr", "muon_lr", "soap_lr", "weight_decay"):
@@ -343,17 +357,6 @@ class TrainConfig:
         if not 0 <= self.cautious_weight_decay < math.inf:
             raise InputError(f"--cautious_weight_decay {self.cautious_weight_decay} must be a finite number >= 0 "
                              "(e.g. 1.2; 0: off)")
-        if self.log_wandb:  # on every rank, before any waits for others
-            need_package("wandb", "--log_wandb")
-        if overtime_applies(self) and self.lr_floor == 0:
-            raise InputError(f"--overtime_steps {self.overtime_steps} trains at the schedule's final learning rate, "
-                             "--lr_floor x the peak, which is 0; pass --lr_floor > 0 (e.g. 0.1) or --overtime_steps 0")
-        if self.val_loss_every == "auto" and self.target_val_loss <= 0:
-            raise InputError("--val_loss_every auto spaces evaluations by the distance to --target_val_loss; pass a "
-                             "target > 0, or a step count")
-        if overtime_applies(self) and self.val_loss_every == 0:
-            raise InputError(f"--overtime_steps {self.overtime_steps} stops at the first evaluation under the target; "
-                             "pass --val_loss_every > 0")
 
     def check_target_schedule(self):
         if self.target_val_loss <= 0:
