@@ -206,12 +206,16 @@ class SOAP(torch.optim.Optimizer):
     Each moment's decay is bias-corrected as it is applied (beta_t = 1 - (1 - beta) / (1 - beta^t)), so the
     moments are Adam's bias-corrected ones; L and R decay with Adam's second-moment beta. A side longer than
     `max_dim` keeps its axes (no statistics, no basis: Adam along it), as SOAP's max_precond_dim: its basis would
-    cost the most (products and a QR of that size) for the least (such sides are wide MLP or vocabulary ones)."""
+    cost the most (products and a QR of that size) for the least (such sides are wide MLP or vocabulary ones).
+    The matrices of one shape step together, each product one batched call for all of them: one at a time, a
+    small batch's step waits on the host's thousand launches. Their states are rows of one stack per shape
+    (`stacks`), so a step reads and writes them in place; a checkpoint holds each matrix's own state."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.95, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, precondition_frequency: int = 10, max_dim: int = 10000):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       precondition_frequency=precondition_frequency, max_dim=max_dim))
+        self.stacks: dict[torch.Size, tuple[tuple[int, ...], dict[str, torch.Tensor]]] = {}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -223,61 +227,105 @@ class SOAP(torch.optim.Optimizer):
         torch.backends.cuda.matmul.allow_tf32 = True
         try:
             for group in self.param_groups:
+                # A batch: the matrices of one shape at one step count (all of that shape, unless some got no
+                # gradient in earlier steps, as under LayerDrop).
+                batches: dict[tuple, list[nn.Parameter]] = {}
                 for p in group["params"]:
                     if p.grad is not None:
-                        self.update(p, p.grad.float(), group)
+                        batches.setdefault((p.shape, self.state[p].get("step", -1)), []).append(p)
+                for params in batches.values():
+                    self.update(params, group)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
         return loss
 
-    def update(self, p: torch.Tensor, grad: torch.Tensor, group: dict):
-        state = self.state[p]
-        if not state:
-            rows, cols = grad.shape
-            L = grad @ grad.T if rows <= group["max_dim"] else None
-            R = grad.T @ grad if cols <= group["max_dim"] else None
-            state.update(step=0, exp_avg=torch.zeros_like(grad), exp_avg_sq=torch.zeros_like(grad), L=L, R=R,
-                         Q_L=None if L is None else descending_eigenvectors(L),
-                         Q_R=None if R is None else descending_eigenvectors(R))
+    def update(self, params: list[nn.Parameter], group: dict):
+        """One SOAP step of same-shaped matrices at one step count."""
+        grads = torch.stack([p.grad for p in params]).float()
+        if not self.state[params[0]]:
+            self.start(params, grads, group["max_dim"])
             return
-        state["step"] += 1
-        (beta1, beta2), step = group["betas"], state["step"]
+        state = self.stacked(params)
+        step = self.state[params[0]]["step"] + 1
+        for p in params:
+            self.state[p]["step"] = step
+        (beta1, beta2) = group["betas"]
         decay1, decay2 = (1 - (1 - beta) / (1 - beta**step) for beta in (beta1, beta2))
-        Q_L, Q_R = state["Q_L"], state["Q_R"]
-        state["exp_avg"].lerp_(grad, 1 - decay1)
-        state["exp_avg_sq"].lerp_(in_bases(grad, Q_L, Q_R).square(), 1 - decay2)
+        Q_L, Q_R = state.get("Q_L"), state.get("Q_R")
+        state["exp_avg"].lerp_(grads, 1 - decay1)
+        state["exp_avg_sq"].lerp_(in_bases(grads, Q_L, Q_R).square(), 1 - decay2)
         rotated = in_bases(state["exp_avg"], Q_L, Q_R) / state["exp_avg_sq"].sqrt().clamp(min=group["eps"])
         update = in_bases(rotated, Q_L, Q_R, back=True)
-        if state["L"] is not None:
-            state["L"].lerp_(grad @ grad.T, 1 - decay2)
-        if state["R"] is not None:
-            state["R"].lerp_(grad.T @ grad, 1 - decay2)
+        if "L" in state:
+            state["L"].lerp_(grads @ grads.mT, 1 - decay2)
+        if "R" in state:
+            state["R"].lerp_(grads.mT @ grads, 1 - decay2)
         if step % group["precondition_frequency"] == 0:
-            self.refresh_bases(state)
-        p.mul_(1 - group["lr"] * group["weight_decay"]).add_(update.to(p.dtype), alpha=-group["lr"])
+            refresh_bases(state)
+        torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+        torch._foreach_add_(params, list(update.to(params[0].dtype).unbind(0)), alpha=-group["lr"])
 
-    @staticmethod
-    def refresh_bases(state: dict):
-        """One power iteration per side (Q <- QR(M Q)), the columns ordered by the eigenvalues Q^T M Q estimates,
-        largest first; the second moment's rows and columns follow their basis vectors."""
-        order = []
-        for side in ("L", "R"):
-            if state[side] is None:  # a side kept on its axes
-                order.append(slice(None))
-                continue
-            moved = state[side] @ state[f"Q_{side}"]
-            ranking = torch.argsort((state[f"Q_{side}"] * moved).sum(dim=0), descending=True)
-            state[f"Q_{side}"] = torch.linalg.qr(moved[:, ranking])[0]
-            order.append(ranking)
-        state["exp_avg_sq"] = state["exp_avg_sq"][order[0]][:, order[1]]
+    def start(self, params: list[nn.Parameter], grads: torch.Tensor, max_dim: int):
+        """The first step: L and R from the first gradients and their eigenbases; the moments start at zero."""
+        rows, cols = grads.shape[-2:]
+        state = dict(exp_avg=torch.zeros_like(grads), exp_avg_sq=torch.zeros_like(grads))
+        if rows <= max_dim:
+            state["L"] = grads @ grads.mT
+            state["Q_L"] = descending_eigenvectors(state["L"])
+        if cols <= max_dim:
+            state["R"] = grads.mT @ grads
+            state["Q_R"] = descending_eigenvectors(state["R"])
+        for p in params:
+            self.state[p]["step"] = 0
+        self.adopt(params, state)
+
+    def load_state_dict(self, state_dict: dict):
+        super().load_state_dict(state_dict)
+        self.stacks.clear()  # the loaded states are tensors of their own: stacked again at the next step
+
+    def stacked(self, params: list[nn.Parameter]) -> dict[str, torch.Tensor]:
+        """The batch's state as one stack per quantity whose rows are the matrices' states: the one kept for their
+        shape when it holds these matrices, else one built from their states (after a load, or when some of them
+        sat out a step)."""
+        ids, stack = self.stacks.get(params[0].shape, ((), {}))
+        if ids == tuple(id(p) for p in params):
+            return stack
+        names = [name for name in STACKED if self.state[params[0]].get(name) is not None]
+        return self.adopt(params, {name: torch.stack([self.state[p][name] for p in params]) for name in names})
+
+    def adopt(self, params: list[nn.Parameter], stack: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Keeps `stack` as the shape's, each matrix's state a view of its row."""
+        self.stacks[params[0].shape] = (tuple(id(p) for p in params), stack)
+        for i, p in enumerate(params):
+            self.state[p].update({name: tensor[i] for name, tensor in stack.items()})
+        return stack
+
+
+STACKED = ("exp_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R")  # SOAP's per-matrix tensors (L, Q_L: rows <= max_dim)
+
+
+def refresh_bases(state: dict[str, torch.Tensor]):
+    """One power iteration per side of a stack of matrices (Q <- QR(M Q)), the columns ordered by the eigenvalues
+    Q^T M Q estimates, largest first; the second moment's rows and columns follow their basis vectors. In place:
+    the stacks' rows are the matrices' states."""
+    second = state["exp_avg_sq"]
+    for side, axis in (("L", -2), ("R", -1)):
+        if side not in state:  # a side kept on its axes
+            continue
+        basis = state[f"Q_{side}"]
+        moved = state[side] @ basis
+        ranking = torch.argsort((basis * moved).sum(dim=-2), dim=-1, descending=True)
+        basis.copy_(torch.linalg.qr(torch.take_along_dim(moved, ranking.unsqueeze(-2), dim=-1))[0])
+        second = torch.take_along_dim(second, ranking.unsqueeze(-1 if axis == -2 else -2), dim=axis)
+    state["exp_avg_sq"].copy_(second)
 
 
 def in_bases(x: torch.Tensor, Q_L: torch.Tensor | None, Q_R: torch.Tensor | None, back: bool = False) -> torch.Tensor:
-    """x (m x n) in the bases' coordinates, Q_L^T x Q_R (back: Q_L x Q_R^T, out of them); a side without a basis
-    (None) stays on its axes."""
+    """x (..., m, n) in the bases' coordinates, Q_L^T x Q_R (back: Q_L x Q_R^T, out of them); a side without a
+    basis (None) stays on its axes."""
     if Q_L is not None:
-        x = (Q_L if back else Q_L.T) @ x
-    return x if Q_R is None else x @ (Q_R.T if back else Q_R)
+        x = (Q_L if back else Q_L.mT) @ x
+    return x if Q_R is None else x @ (Q_R.mT if back else Q_R)
 
 
 def descending_eigenvectors(matrix: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """The optimizers: Muon's parameter groups, the batched update against torch's, its refinements (NorMuon, cautious
-weight decay), its momentum warmup, and a Muon run that learns."""
+weight decay), its momentum warmup, and a Muon run that learns; SOAP's math, its batches of one shape, its resume."""
+
+import copy
 
 import pytest
 import torch
@@ -233,14 +235,21 @@ def test_momentum_reaches_the_muon_optimizer(tmp_path, shards, capsys, monkeypat
     assert seen == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
 
 
-def soap_trajectory(weight: torch.Tensor, grads: list[torch.Tensor], **kwargs) -> torch.Tensor:
+def soap_trajectories(weights: list[torch.Tensor], grads: list[list[torch.Tensor | None]], **kwargs):
+    """The weights after one SOAP optimizer steps them all through grads (per step, each weight's gradient; None:
+    that weight gets none that step), and the optimizer."""
     from optimizers import SOAP
-    p = torch.nn.Parameter(weight.clone())
-    optimizer = SOAP([p], **kwargs)
-    for grad in grads:
-        p.grad = grad.clone()
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    optimizer = SOAP(params, **kwargs)
+    for step in grads:
+        for p, grad in zip(params, step):
+            p.grad = None if grad is None else grad.clone()
         optimizer.step()
-    return p.detach()
+    return [p.detach() for p in params], optimizer
+
+
+def soap_trajectory(weight: torch.Tensor, grads: list[torch.Tensor], **kwargs) -> torch.Tensor:
+    return soap_trajectories([weight], [[g] for g in grads], **kwargs)[0][0]
 
 
 def test_soap_on_gradients_that_keep_their_axes_is_adamw_from_its_second_step():
@@ -307,31 +316,76 @@ def test_soap_past_max_dim_on_one_side_turns_with_the_other_side_only():
     assert not torch.allclose(turned, U @ plain, atol=1e-3)
 
 
+def test_soap_steps_the_matrices_of_one_shape_together_as_it_steps_each_alone():
+    torch.manual_seed(0)
+    shapes = [(5, 4), (4, 4), (5, 4), (5, 4)]  # three of one shape step as one batch
+    weights = [torch.randn(*shape, dtype=torch.float64) for shape in shapes]
+    grads = [[torch.randn(*shape, dtype=torch.float64) for shape in shapes] for _ in range(7)]
+    settings = dict(lr=0.01, betas=(0.9, 0.95), weight_decay=0.1, precondition_frequency=2)
+    together, optimizer = soap_trajectories(weights, grads, **settings)
+    # One stack holds the three (5, 4) matrices' states: each matrix's state is a view of its row.
+    ids, stack = optimizer.stacks[torch.Size((5, 4))]
+    params = optimizer.param_groups[0]["params"]
+    assert ids == (id(params[0]), id(params[2]), id(params[3]))
+    assert optimizer.state[params[3]]["exp_avg"].data_ptr() == stack["exp_avg"][2].data_ptr()
+    # The third matrix sits out two steps (LayerDrop): from then on it is a step behind the others, in a batch
+    # of its own.
+    grads[2][2] = grads[4][2] = None
+    together = soap_trajectories(weights, grads, **settings)[0]
+    for i, weight in enumerate(weights):
+        alone = soap_trajectory(weight, [step[i] for step in grads if step[i] is not None], **settings)
+        torch.testing.assert_close(together[i], alone, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("max_dim", [10000, 3])  # 3: the rows keep their axes (no L, no Q_L in the state)
 def test_soap_resumed_from_its_state_dict_goes_on_as_the_uninterrupted_one(max_dim):
     from optimizers import SOAP
     torch.manual_seed(0)
-    grads = [torch.randn(4, 3) for _ in range(7)]
-    whole = soap_trajectory(torch.ones(4, 3), grads, lr=0.01, precondition_frequency=2, max_dim=max_dim)
-    p = torch.nn.Parameter(soap_trajectory(torch.ones(4, 3), grads[:4], lr=0.01, precondition_frequency=2,
-                                           max_dim=max_dim))
-    first = SOAP([torch.nn.Parameter(torch.ones(4, 3))], lr=0.01, precondition_frequency=2, max_dim=max_dim)
-    for grad in grads[:4]:
-        first.param_groups[0]["params"][0].grad = grad.clone()
-        first.step()
-    resumed = SOAP([p], lr=0.01, precondition_frequency=2, max_dim=max_dim)
+    grads = [[torch.randn(4, 3), torch.randn(4, 3)] for _ in range(7)]  # two matrices: one batch, one stack
+    settings = dict(lr=0.01, precondition_frequency=2, max_dim=max_dim)
+    whole = soap_trajectories([torch.ones(4, 3)] * 2, grads, **settings)[0]
+    halfway, first = soap_trajectories([torch.ones(4, 3)] * 2, grads[:4], **settings)
+    params = [torch.nn.Parameter(w) for w in halfway]
+    resumed = SOAP(params, **settings)
     resumed.load_state_dict(first.state_dict())
-    for grad in grads[4:]:
-        p.grad = grad.clone()
+    for step in grads[4:]:
+        for p, grad in zip(params, step):
+            p.grad = grad.clone()
         resumed.step()
-    torch.testing.assert_close(p.detach(), whole)
+    for p, w in zip(params, whole):
+        torch.testing.assert_close(p.detach(), w, rtol=0, atol=0)
+
+
+def test_soap_put_back_to_an_earlier_state_goes_on_from_it():
+    # As the trainer's compile warm-up does: steps, then the state from before them loaded into the same optimizer.
+    torch.manual_seed(0)
+    grads = [[torch.randn(4, 3), torch.randn(4, 3)] for _ in range(6)]
+    settings = dict(lr=0.01, precondition_frequency=2)
+    whole = soap_trajectories([torch.ones(4, 3)] * 2, grads, **settings)[0]
+    halfway, optimizer = soap_trajectories([torch.ones(4, 3)] * 2, grads[:3], **settings)
+    params, halfway = optimizer.param_groups[0]["params"], [w.clone() for w in halfway]
+    saved = copy.deepcopy(optimizer.state_dict())
+    for grad in grads[3:5]:  # steps that are undone
+        for p in params:
+            p.grad = grad[0].clone()
+        optimizer.step()
+    optimizer.load_state_dict(saved)
+    with torch.no_grad():
+        for p, w in zip(params, halfway):
+            p.copy_(w)
+    for step in grads[3:]:
+        for p, grad in zip(params, step):
+            p.grad = grad.clone()
+        optimizer.step()
+    for p, w in zip(params, whole):
+        torch.testing.assert_close(p.detach(), w, rtol=0, atol=0)
 
 
 def test_soap_multiplies_in_tf32_inside_its_step_only(monkeypatch):
     from optimizers import SOAP
     seen = []
 
-    def update(self, p, grad, group):
+    def update(self, params, group):
         seen.append(torch.backends.cuda.matmul.allow_tf32)
         raise RuntimeError("a failing step")
     monkeypatch.setattr(SOAP, "update", update)
