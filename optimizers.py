@@ -197,19 +197,20 @@ class Lion(torch.optim.Optimizer):
 
 
 class SOAP(torch.optim.Optimizer):
-    """SOAP (Vyas et al. 2024): Adam run in the eigenbasis of Shampoo's preconditioner, for matrices. Per weight
-    W (m x n) with gradient G: L and R, running means of G G^T and G^T G; Q_L and Q_R, their eigenvectors (from
-    eigh at the first step, then every `precondition_frequency` steps one power iteration and a QR, which follows
-    the bases as they drift at a fraction of eigh's cost); Adam's first moment kept in W's own space, its second
-    moment in the rotated one. The update is Q_L (rotated first moment / sqrt(second moment)) Q_R^T, with
-    decoupled weight decay. The first step only builds L, R and the bases: a gradient never rotates itself.
-    Each moment's decay is bias-corrected as it is applied (beta_t = 1 - (1 - beta) / (1 - beta^t)), so the
-    moments are Adam's bias-corrected ones; L and R decay with Adam's second-moment beta. A side longer than
-    `max_dim` keeps its axes (no statistics, no basis: Adam along it), as SOAP's max_precond_dim: its basis would
-    cost the most (products and a QR of that size) for the least (such sides are wide MLP or vocabulary ones).
-    The matrices of one shape step together, each product one batched call for all of them: one at a time, a
-    small batch's step waits on the host's thousand launches. Their states are rows of one stack per shape
-    (`stacks`), so a step reads and writes them in place; a checkpoint holds each matrix's own state."""
+    """SOAP (Vyas et al. 2024): Adam run in the eigenbasis of Shampoo's preconditioner, for matrices. Per weight W
+    (m x n) with gradient G: L and R, running means of G G^T and G^T G; Q_L and Q_R, their eigenvectors (from eigh
+    at the first step, then every `precondition_frequency` steps one power iteration and a QR, which follows the
+    bases as they drift at a fraction of eigh's cost); Adam's moments kept in the bases' coordinates (the first
+    turned with them when they are refreshed: two products a step fewer than keeping it in W's space). The update is
+    Q_L (first moment / sqrt(second moment)) Q_R^T, with decoupled weight decay. The first step only builds L, R and
+    the bases: a gradient never rotates itself. Each moment's decay is bias-corrected as it is applied (beta_t = 1 -
+    (1 - beta) / (1 - beta^t)), so the moments are Adam's bias-corrected ones; L and R decay with Adam's
+    second-moment beta. A side longer than `max_dim` keeps its axes (no statistics, no basis: Adam along it), as
+    SOAP's max_precond_dim: its basis would cost the most (products and a QR of that size) for the least (such sides
+    are wide MLP or vocabulary ones). The matrices of one shape step together, each product one batched call for all
+    of them: one at a time, a small batch's step waits on the host's thousand launches. Their states are rows of one
+    stack per shape (`stacks`), so a step reads and writes them in place; a checkpoint holds each matrix's own
+    state."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.95, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, precondition_frequency: int = 10, max_dim: int = 10000):
@@ -252,10 +253,11 @@ class SOAP(torch.optim.Optimizer):
         (beta1, beta2) = group["betas"]
         decay1, decay2 = (1 - (1 - beta) / (1 - beta**step) for beta in (beta1, beta2))
         Q_L, Q_R = state.get("Q_L"), state.get("Q_R")
-        state["exp_avg"].lerp_(grads, 1 - decay1)
-        state["exp_avg_sq"].lerp_(in_bases(grads, Q_L, Q_R).square(), 1 - decay2)
-        rotated = in_bases(state["exp_avg"], Q_L, Q_R) / state["exp_avg_sq"].sqrt().clamp(min=group["eps"])
-        update = in_bases(rotated, Q_L, Q_R, back=True)
+        rotated = in_bases(grads, Q_L, Q_R)
+        state["rotated_avg"].lerp_(rotated, 1 - decay1)
+        state["exp_avg_sq"].lerp_(rotated.square(), 1 - decay2)
+        update = in_bases(state["rotated_avg"] / state["exp_avg_sq"].sqrt().clamp(min=group["eps"]), Q_L, Q_R,
+                          back=True)
         if "L" in state:
             state["L"].lerp_(grads @ grads.mT, 1 - decay2)
         if "R" in state:
@@ -268,7 +270,7 @@ class SOAP(torch.optim.Optimizer):
     def start(self, params: list[nn.Parameter], grads: torch.Tensor, max_dim: int):
         """The first step: L and R from the first gradients and their eigenbases; the moments start at zero."""
         rows, cols = grads.shape[-2:]
-        state = dict(exp_avg=torch.zeros_like(grads), exp_avg_sq=torch.zeros_like(grads))
+        state = dict(rotated_avg=torch.zeros_like(grads), exp_avg_sq=torch.zeros_like(grads))
         if rows <= max_dim:
             state["L"] = grads @ grads.mT
             state["Q_L"] = descending_eigenvectors(state["L"])
@@ -301,13 +303,14 @@ class SOAP(torch.optim.Optimizer):
         return stack
 
 
-STACKED = ("exp_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R")  # SOAP's per-matrix tensors (L, Q_L: rows <= max_dim)
+STACKED = ("rotated_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R")  # SOAP's per-matrix tensors (L, Q_L: rows <= max_dim)
 
 
 def refresh_bases(state: dict[str, torch.Tensor]):
     """One power iteration per side of a stack of matrices (Q <- QR(M Q)), the columns ordered by the eigenvalues
     Q^T M Q estimates, largest first; the second moment's rows and columns follow their basis vectors. In place:
-    the stacks' rows are the matrices' states."""
+    the stacks' rows are the matrices' states. The first moment turns from the old bases to the new ones."""
+    first = in_bases(state["rotated_avg"], state.get("Q_L"), state.get("Q_R"), back=True)
     second = state["exp_avg_sq"]
     for side, axis in (("L", -2), ("R", -1)):
         if side not in state:  # a side kept on its axes
@@ -318,6 +321,7 @@ def refresh_bases(state: dict[str, torch.Tensor]):
         basis.copy_(torch.linalg.qr(torch.take_along_dim(moved, ranking.unsqueeze(-2), dim=-1))[0])
         second = torch.take_along_dim(second, ranking.unsqueeze(-1 if axis == -2 else -2), dim=axis)
     state["exp_avg_sq"].copy_(second)
+    state["rotated_avg"].copy_(in_bases(first, state.get("Q_L"), state.get("Q_R")))
 
 
 def in_bases(x: torch.Tensor, Q_L: torch.Tensor | None, Q_R: torch.Tensor | None, back: bool = False) -> torch.Tensor:

@@ -316,6 +316,38 @@ def test_soap_past_max_dim_on_one_side_turns_with_the_other_side_only():
     assert not torch.allclose(turned, U @ plain, atol=1e-3)
 
 
+def textbook_soap(weight, grads, lr, betas, eps, weight_decay, every):
+    """SOAP written out for one matrix in float64, its first moment in the weight's own space: the optimizer keeps
+    it in the bases' coordinates (and in fp32), turned when they change, which must come to the same."""
+    w, (beta1, beta2) = weight.clone(), betas
+    L, R = grads[0] @ grads[0].T, grads[0].T @ grads[0]
+    Q_L, Q_R = (torch.linalg.eigh(M)[1].flip(-1) for M in (L, R))
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    for t, g in enumerate(grads[1:], start=1):
+        d1, d2 = (1 - (1 - b) / (1 - b**t) for b in (beta1, beta2))
+        m = d1 * m + (1 - d1) * g
+        v = d2 * v + (1 - d2) * (Q_L.T @ g @ Q_R) ** 2
+        update = Q_L @ ((Q_L.T @ m @ Q_R) / v.sqrt().clamp(min=eps)) @ Q_R.T
+        L, R = d2 * L + (1 - d2) * g @ g.T, d2 * R + (1 - d2) * g.T @ g
+        if t % every == 0:
+            moved_L, moved_R = L @ Q_L, R @ Q_R
+            rank_L = torch.argsort((Q_L * moved_L).sum(0), descending=True)
+            rank_R = torch.argsort((Q_R * moved_R).sum(0), descending=True)
+            Q_L, Q_R = torch.linalg.qr(moved_L[:, rank_L])[0], torch.linalg.qr(moved_R[:, rank_R])[0]
+            v = v[rank_L][:, rank_R]
+        w = w * (1 - lr * weight_decay) - lr * update
+    return w
+
+
+def test_soap_is_the_textbook_algorithm():
+    torch.manual_seed(0)
+    weight = torch.randn(5, 4, dtype=torch.float64)
+    grads = [torch.randn(5, 4, dtype=torch.float64) for _ in range(9)]
+    settings = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    torch.testing.assert_close(soap_trajectory(weight, grads, precondition_frequency=3, **settings),
+                               textbook_soap(weight, grads, every=3, **settings), rtol=0, atol=1e-6)  # fp32 state
+
+
 def test_soap_steps_the_matrices_of_one_shape_together_as_it_steps_each_alone():
     torch.manual_seed(0)
     shapes = [(5, 4), (4, 4), (5, 4), (5, 4)]  # three of one shape step as one batch
@@ -327,7 +359,7 @@ def test_soap_steps_the_matrices_of_one_shape_together_as_it_steps_each_alone():
     ids, stack = optimizer.stacks[torch.Size((5, 4))]
     params = optimizer.param_groups[0]["params"]
     assert ids == (id(params[0]), id(params[2]), id(params[3]))
-    assert optimizer.state[params[3]]["exp_avg"].data_ptr() == stack["exp_avg"][2].data_ptr()
+    assert optimizer.state[params[3]]["rotated_avg"].data_ptr() == stack["rotated_avg"][2].data_ptr()
     # The third matrix sits out two steps (LayerDrop): from then on it is a step behind the others, in a batch
     # of its own.
     grads[2][2] = grads[4][2] = None
