@@ -5,6 +5,7 @@
     python scripts/calibrate.py run RECORD_DIR --budget 100M --data DIR --work DIR [--gpu N]
     python scripts/calibrate.py table --fineweb FILE LABEL=RUN_DIR [LABEL=RUN_DIR ...] [--plot PNG]
         [--batch_pair BEFORE:AFTER ...] [--batch_correct OWN:REFERENCE ...] [--anchor LABEL=TOKENS]
+        [--same_batch OWN:BASE ...]
 
 A record is a folder of modded-nanogpt's records/track_1_short/ (or its sub-folder of one variant): each log begins
 with the record's complete training code, then its FineWeb validation curve as `step:N/M val_loss:X` lines (8 GPUs;
@@ -31,7 +32,8 @@ budget, and gives the rank agreement, the fit's error in tokens (each record lef
 says of the labels without FineWeb tokens, how far apart one label's runs are in FineWeb tokens, and whether the
 records below 0.5B need a line of their own. A batch pair (two records that differ in batch alone) gives how many
 times the fit exaggerates a batch change; a label read at its own batch is then corrected from its reading at a
-reference batch inside the calibration.
+reference batch inside the calibration. A recipe of another family than the records' (AdamW's, SOAP's) is read
+against an anchor whose tokens are known (d12: 2.5B) through the anchor's recipe run at its batch (--same_batch).
 The record's code is never part of this repository: it is read from the record folder given.
 """
 
@@ -549,12 +551,13 @@ def mean_losses(runs: dict[str, list[float]]) -> dict[str, float]:
 
 def table(by_budget: dict[float, dict[str, list[float]]], fineweb: dict[str, float],
           batch_pairs: list[tuple[str, str]] = (), corrections: list[tuple[str, str]] = (),
-          anchor: tuple[str, float] | None = None) -> str:
+          anchor: tuple[str, float] | None = None, same_batch: list[tuple[str, str]] = ()) -> str:
     """Per budget: the fit, then each label's proxy loss (the mean of its runs), its FineWeb tokens, the fit's
     reading and its error left out; the widest spread of one label's runs, in FineWeb tokens by the fit; how many
     times the fit exaggerates each batch pair's effect, and the labels read at their own batch corrected by the
     pairs' mean factor (each `own` label against its `reference` label). With an anchor (a label and its FineWeb
-    tokens known apart from the records), the readings again at the anchor's level (anchored_line)."""
+    tokens known apart from the records), the readings again at the anchor's level (anchored_line), and each
+    same_batch pair (a recipe, the anchor's recipe at its batch) read through the anchor (same_batch_line)."""
     lines = []
     for budget, runs in sorted(by_budget.items()):
         losses = mean_losses(runs)
@@ -576,7 +579,7 @@ def table(by_budget: dict[float, dict[str, list[float]]], fineweb: dict[str, flo
                          f"x{math.exp(result['b'] * spreads[widest]):.2f} in FineWeb tokens by the fit")
         scale = anchor[1] / result["predicted"][anchor[0]] if anchor and anchor[0] in losses else None
         lines += low_end_lines(result, losses, fineweb) + anchored_line(result, losses, fineweb, anchor, scale)
-        lines += batch_lines(result, losses, fineweb, batch_pairs, corrections, scale)
+        lines += batch_lines(result, losses, fineweb, batch_pairs, corrections, scale, anchor, same_batch)
     return "\n".join(lines)
 
 
@@ -610,8 +613,9 @@ def low_end_lines(result: dict, losses: dict[str, float], fineweb: dict[str, flo
 
 
 def batch_lines(result: dict, losses: dict[str, float], fineweb: dict[str, float], batch_pairs, corrections,
-                scale: float | None = None) -> list[str]:
-    """The table's lines on batch: each pair's exaggeration, then each correction by the pairs' geometric mean."""
+                scale: float | None = None, anchor: tuple[str, float] | None = None, same_batch=()) -> list[str]:
+    """The table's lines on batch: each pair's exaggeration, then each correction by the pairs' geometric mean, then
+    each reading against the anchor's recipe at the same batch (same_batch_line)."""
     pairs = [pair for pair in batch_pairs if all(label in losses and label in fineweb for label in pair)]
     factors = [batch_exaggeration(result, losses, fineweb, pair) for pair in pairs]
     lines = [f"  batch {before} -> {after}: FineWeb x{fineweb[after] / fineweb[before]:.3f}, the fit "
@@ -628,7 +632,21 @@ def batch_lines(result: dict, losses: dict[str, float], fineweb: dict[str, float
             lines.append(f"  {own}, batch-corrected from {reference} ({factor:.1f} times): "
                          f"{corrected / 1e9:.2f}B FineWeb tokens (uncorrected {result['predicted'][own] / 1e9:.2f}B"
                          + (f"; anchored {corrected * scale / 1e9:.2f}B)" if scale else ")"))
-    return lines
+    return lines + [same_batch_line(result, losses, anchor, own, base, factor) for own, base in same_batch
+                    if anchor and {own, base, anchor[0]} <= losses.keys()]
+
+
+def same_batch_line(result: dict, losses: dict[str, float], anchor: tuple[str, float], own: str, base: str,
+                    factor: float) -> str:
+    """A recipe (`own`) read against the anchor's recipe run at its batch (`base`, e.g. d12 at 32,768 per step): the
+    anchor's known tokens, times the batch's effect on the anchor's recipe (base against the anchor, as the fit reads
+    it shrunk by `factor`), times own's difference from base at that batch, as the fit reads it. The part the batch
+    plays is thus corrected; the rest is the fit's slope applied to a difference it has not been checked on."""
+    batch = math.exp(result["b"] * (losses[base] - losses[anchor[0]]) / factor)
+    recipe = math.exp(result["b"] * (losses[own] - losses[base]))
+    return (f"  {own} against {base} (the same batch), anchored at {anchor[0]} = {anchor[1] / 1e9:.2f}B: "
+            f"{anchor[1] * batch * recipe / 1e9:.2f}B FineWeb tokens (the batch x{batch:.3f}, shrunk {factor:.1f} "
+            f"times; the recipe x{recipe:.3f})")
 
 
 def plot(by_budget: dict[float, dict[str, list[float]]], fineweb: dict[str, float], path: str):
@@ -734,6 +752,10 @@ def main(argv=None) -> int:
     tab.add_argument("--anchor", default=None, type=anchor_spec, metavar="LABEL=TOKENS",
                      help="a label whose FineWeb tokens are known apart from the records (e.g. d12_P100=2.5B): "
                           "the readings again with the fit's line through it")
+    tab.add_argument("--same_batch", action="append", default=[], type=label_pair, metavar="OWN:BASE",
+                     help="a recipe and the anchor's recipe run at its batch (e.g. nocap:d12_b32k with --anchor "
+                          "d12_P100=2.5B): the anchor's tokens x the batch's effect on it (shrunk by the pairs' "
+                          "factor) x the recipe's difference at that batch; needs --anchor and --batch_pair")
     args = p.parse_args(argv)
     return report_input_errors(lambda: dispatch(args))
 
@@ -749,6 +771,9 @@ def dispatch(args) -> int:
     elif args.command == "run":
         print(run_record(args.record, parse_tokens(args.budget), args.data, args.work, args.gpu))
     else:
+        if args.same_batch and not (args.anchor and args.batch_pair):
+            raise InputError("--same_batch needs --anchor LABEL=TOKENS (the recipe it is read against) and "
+                             "--batch_pair (how far to shrink the batch's effect)")
         public = read_fineweb_tokens(args.fineweb)
         if args.plot:
             check_output_file(args.plot, "--plot")
@@ -759,7 +784,7 @@ def dispatch(args) -> int:
                 raise InputError(f"{item!r}: expected LABEL=RUN_DIR")
             pairs.append((label, run_dir))
         by_budget = final_losses(pairs)
-        print(table(by_budget, public, args.batch_pair, args.batch_correct, args.anchor))
+        print(table(by_budget, public, args.batch_pair, args.batch_correct, args.anchor, args.same_batch))
         if args.plot:
             plot(by_budget, public, args.plot)
             print(f"plot: {args.plot}")

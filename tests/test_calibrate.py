@@ -262,6 +262,27 @@ def test_the_table_groups_runs_by_budget_and_averages_a_labels_seeds(tmp_path, c
         assert stop.value.code == 2 and expected in capsys.readouterr().err
 
 
+def test_a_recipe_is_read_against_the_anchors_recipe_at_its_own_batch(tmp_path, capsys):
+    # Records r0..r2 at 4.0, 4.1, 4.2 with 1B, 2B, 3B: slope ln 3 / 0.2; r1 -> r2 a batch pair (FineWeb x1.5, the fit
+    # x3^0.5). The anchor r0 = 4B; base is the anchor's recipe at another batch, 0.05 below it; ours 0.2 below base.
+    losses = {"r0": [4.0], "r1": [4.1], "r2": [4.2], "base": [3.95], "ours": [3.75]}
+    fineweb = {f"r{i}": 1e9 * (i + 1) for i in range(3)}
+    out = calibrate.table({100: losses}, fineweb, [("r1", "r2")], anchor=("r0", 4e9), same_batch=[("ours", "base")])
+    slope, factor = math.log(3) / 0.2, math.log(math.sqrt(3)) / math.log(1.5)
+    batch, recipe = math.exp(slope * -0.05 / factor), math.exp(slope * -0.2)
+    assert (f"ours against base (the same batch), anchored at r0 = 4.00B: {4 * batch * recipe:.2f}B FineWeb tokens "
+            f"(the batch x{batch:.3f}, shrunk {factor:.1f} times; the recipe x{recipe:.3f})") in out
+    # The batch's share is shrunk, the recipe's is not: with base at the anchor's own batch the reading is the fit's
+    # line through the anchor.
+    same = calibrate.table({100: {**losses, "base": [4.0]}}, fineweb, [("r1", "r2")], anchor=("r0", 4e9),
+                           same_batch=[("ours", "base")])
+    assert f"anchored at r0 = 4.00B: {4 * math.exp(slope * -0.25):.2f}B FineWeb tokens (the batch x1.000" in same
+    (tmp_path / "fineweb.json").write_text(json.dumps({}))
+    assert calibrate.main(["table", "--fineweb", str(tmp_path / "fineweb.json"), "a=x", "--same_batch", "ours:base",
+                           "--batch_pair", "r1:r2"]) == 2
+    assert capsys.readouterr().err.startswith("error: --same_batch needs --anchor LABEL=TOKENS")
+
+
 def test_the_glob_that_replaces_a_records_relative_only_one_reads_absolute_patterns(tmp_path):
     # 2024-12-08 globs its shards with Path.cwd().glob, which refuses the proxy's absolute paths.
     for name in ("mix_train_000002.bin", "mix_train_000001.bin", "other.bin"):
