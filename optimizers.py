@@ -210,12 +210,16 @@ class SOAP(torch.optim.Optimizer):
     are wide MLP or vocabulary ones). The matrices of one shape step together, each product one batched call for all
     of them: one at a time, a small batch's step waits on the host's thousand launches. Their states are rows of one
     stack per shape (`stacks`), so a step reads and writes them in place; a checkpoint holds each matrix's own
-    state."""
+    state. `basis_dtype` bfloat16: the bases are kept in bf16 and the step's six products (into the bases, out of
+    them, L and R) take bf16 inputs, at twice TF32's rate on Hopper, as Muon's Newton-Schulz does; the moments, L
+    and R stay fp32, and each refresh's power iteration and QR run in fp32."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.95, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, precondition_frequency: int = 10, max_dim: int = 10000):
+                 weight_decay: float = 0.0, precondition_frequency: int = 10, max_dim: int = 10000,
+                 basis_dtype: torch.dtype = torch.float32):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      precondition_frequency=precondition_frequency, max_dim=max_dim))
+                                      precondition_frequency=precondition_frequency, max_dim=max_dim,
+                                      basis_dtype=basis_dtype))
         self.stacks: dict[torch.Size, tuple[tuple[int, ...], dict[str, torch.Tensor]]] = {}
 
     @torch.no_grad()
@@ -244,39 +248,40 @@ class SOAP(torch.optim.Optimizer):
         """One SOAP step of same-shaped matrices at one step count."""
         grads = torch.stack([p.grad for p in params]).float()
         if not self.state[params[0]]:
-            self.start(params, grads, group["max_dim"])
+            self.start(params, grads, group["max_dim"], group["basis_dtype"])
             return
-        state = self.stacked(params)
+        products = grads.to(group["basis_dtype"])  # the products' inputs; their outputs are read back in fp32
+        state = self.stacked(params, group["basis_dtype"])
         step = self.state[params[0]]["step"] + 1
         for p in params:
             self.state[p]["step"] = step
         (beta1, beta2) = group["betas"]
         decay1, decay2 = (1 - (1 - beta) / (1 - beta**step) for beta in (beta1, beta2))
         Q_L, Q_R = state.get("Q_L"), state.get("Q_R")
-        rotated = in_bases(grads, Q_L, Q_R)
+        rotated = in_bases(products, Q_L, Q_R).float()
         state["rotated_avg"].lerp_(rotated, 1 - decay1)
         state["exp_avg_sq"].lerp_(rotated.square(), 1 - decay2)
-        update = in_bases(state["rotated_avg"] / state["exp_avg_sq"].sqrt().clamp(min=group["eps"]), Q_L, Q_R,
-                          back=True)
+        step_in_bases = state["rotated_avg"] / state["exp_avg_sq"].sqrt().clamp(min=group["eps"])
+        update = in_bases(step_in_bases.to(products.dtype), Q_L, Q_R, back=True)
         if "L" in state:
-            state["L"].lerp_(grads @ grads.mT, 1 - decay2)
+            state["L"].lerp_((products @ products.mT).float(), 1 - decay2)
         if "R" in state:
-            state["R"].lerp_(grads.mT @ grads, 1 - decay2)
+            state["R"].lerp_((products.mT @ products).float(), 1 - decay2)
         if step % group["precondition_frequency"] == 0:
             refresh_bases(state)
         torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
         torch._foreach_add_(params, list(update.to(params[0].dtype).unbind(0)), alpha=-group["lr"])
 
-    def start(self, params: list[nn.Parameter], grads: torch.Tensor, max_dim: int):
+    def start(self, params: list[nn.Parameter], grads: torch.Tensor, max_dim: int, basis_dtype: torch.dtype):
         """The first step: L and R from the first gradients and their eigenbases; the moments start at zero."""
         rows, cols = grads.shape[-2:]
         state = dict(rotated_avg=torch.zeros_like(grads), exp_avg_sq=torch.zeros_like(grads))
         if rows <= max_dim:
             state["L"] = grads @ grads.mT
-            state["Q_L"] = descending_eigenvectors(state["L"])
+            state["Q_L"] = descending_eigenvectors(state["L"]).to(basis_dtype)
         if cols <= max_dim:
             state["R"] = grads.mT @ grads
-            state["Q_R"] = descending_eigenvectors(state["R"])
+            state["Q_R"] = descending_eigenvectors(state["R"]).to(basis_dtype)
         for p in params:
             self.state[p]["step"] = 0
         self.adopt(params, state)
@@ -285,15 +290,16 @@ class SOAP(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self.stacks.clear()  # the loaded states are tensors of their own: stacked again at the next step
 
-    def stacked(self, params: list[nn.Parameter]) -> dict[str, torch.Tensor]:
+    def stacked(self, params: list[nn.Parameter], basis_dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The batch's state as one stack per quantity whose rows are the matrices' states: the one kept for their
         shape when it holds these matrices, else one built from their states (after a load, or when some of them
-        sat out a step)."""
+        sat out a step), the bases in basis_dtype (torch's load_state_dict casts every state to its weight's)."""
         ids, stack = self.stacks.get(params[0].shape, ((), {}))
         if ids == tuple(id(p) for p in params):
             return stack
         names = [name for name in STACKED if self.state[params[0]].get(name) is not None]
-        return self.adopt(params, {name: torch.stack([self.state[p][name] for p in params]) for name in names})
+        return self.adopt(params, {name: torch.stack([self.state[p][name] for p in params]).to(
+            basis_dtype if name in ("Q_L", "Q_R") else torch.float32) for name in names})
 
     def adopt(self, params: list[nn.Parameter], stack: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Keeps `stack` as the shape's, each matrix's state a view of its row."""
@@ -310,18 +316,20 @@ def refresh_bases(state: dict[str, torch.Tensor]):
     """One power iteration per side of a stack of matrices (Q <- QR(M Q)), the columns ordered by the eigenvalues
     Q^T M Q estimates, largest first; the second moment's rows and columns follow their basis vectors. In place:
     the stacks' rows are the matrices' states. The first moment turns from the old bases to the new ones."""
-    first = in_bases(state["rotated_avg"], state.get("Q_L"), state.get("Q_R"), back=True)
+    bases = [None if q is None else q.float() for q in (state.get("Q_L"), state.get("Q_R"))]  # the old, in fp32
+    first = in_bases(state["rotated_avg"], *bases, back=True)
     second = state["exp_avg_sq"]
-    for side, axis in (("L", -2), ("R", -1)):
+    for side, axis, old in (("L", -2, bases[0]), ("R", -1, bases[1])):
         if side not in state:  # a side kept on its axes
             continue
         basis = state[f"Q_{side}"]
-        moved = state[side] @ basis
-        ranking = torch.argsort((basis * moved).sum(dim=-2), dim=-1, descending=True)
+        moved = state[side] @ old
+        ranking = torch.argsort((old * moved).sum(dim=-2), dim=-1, descending=True)
         basis.copy_(torch.linalg.qr(torch.take_along_dim(moved, ranking.unsqueeze(-2), dim=-1))[0])
         second = torch.take_along_dim(second, ranking.unsqueeze(-1 if axis == -2 else -2), dim=axis)
     state["exp_avg_sq"].copy_(second)
-    state["rotated_avg"].copy_(in_bases(first, state.get("Q_L"), state.get("Q_R")))
+    state["rotated_avg"].copy_(in_bases(first, *(None if q is None else q.float()
+                                                 for q in (state.get("Q_L"), state.get("Q_R")))))
 
 
 def in_bases(x: torch.Tensor, Q_L: torch.Tensor | None, Q_R: torch.Tensor | None, back: bool = False) -> torch.Tensor:

@@ -1363,7 +1363,8 @@ def make_optimizer(model: GPT, flags: TrainConfig, device: torch.device, compile
                    weight_decay=0.0)]
     if flags.optimizer == "soap":
         matrices = SOAP(hidden, lr=flags.soap_lr, weight_decay=flags.weight_decay,
-                        precondition_frequency=flags.soap_update_every, max_dim=flags.soap_max_dim)
+                        precondition_frequency=flags.soap_update_every, max_dim=flags.soap_max_dim,
+                        basis_dtype=torch.bfloat16 if flags.soap_bases == "bf16" else torch.float32)
     else:
         kernels.kernel_runs("Newton-Schulz", device)
         matrices = BatchedMuon(hidden, lr=flags.muon_lr, momentum=MUON_MOMENTUM,

@@ -369,12 +369,14 @@ def test_soap_steps_the_matrices_of_one_shape_together_as_it_steps_each_alone():
         torch.testing.assert_close(together[i], alone, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("max_dim", [10000, 3])  # 3: the rows keep their axes (no L, no Q_L in the state)
-def test_soap_resumed_from_its_state_dict_goes_on_as_the_uninterrupted_one(max_dim):
+# 3: the rows keep their axes (no L, no Q_L in the state); bf16 bases: torch's load_state_dict casts them to fp32
+@pytest.mark.parametrize("max_dim, basis_dtype", [(10000, torch.float32), (3, torch.float32),
+                                                  (10000, torch.bfloat16)])
+def test_soap_resumed_from_its_state_dict_goes_on_as_the_uninterrupted_one(max_dim, basis_dtype):
     from optimizers import SOAP
     torch.manual_seed(0)
     grads = [[torch.randn(4, 3), torch.randn(4, 3)] for _ in range(7)]  # two matrices: one batch, one stack
-    settings = dict(lr=0.01, precondition_frequency=2, max_dim=max_dim)
+    settings = dict(lr=0.01, precondition_frequency=2, max_dim=max_dim, basis_dtype=basis_dtype)
     whole = soap_trajectories([torch.ones(4, 3)] * 2, grads, **settings)[0]
     halfway, first = soap_trajectories([torch.ones(4, 3)] * 2, grads[:4], **settings)
     params = [torch.nn.Parameter(w) for w in halfway]
@@ -386,6 +388,20 @@ def test_soap_resumed_from_its_state_dict_goes_on_as_the_uninterrupted_one(max_d
         resumed.step()
     for p, w in zip(params, whole):
         torch.testing.assert_close(p.detach(), w, rtol=0, atol=0)
+
+
+def test_soap_with_bf16_bases_keeps_them_in_bf16_and_follows_the_fp32_steps():
+    torch.manual_seed(0)
+    weight, grads = torch.randn(6, 5), [torch.randn(6, 5) for _ in range(9)]
+    settings = dict(lr=0.01, precondition_frequency=3)  # three refreshes
+    fp32 = soap_trajectory(weight, grads, **settings)
+    bf16, optimizer = soap_trajectories([weight], [[g] for g in grads], basis_dtype=torch.bfloat16, **settings)
+    state = optimizer.state[optimizer.param_groups[0]["params"][0]]
+    assert state["Q_L"].dtype == state["Q_R"].dtype == torch.bfloat16
+    assert state["L"].dtype == state["rotated_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+    # bf16's rounding of the products (~0.4% here), not another algorithm; and not fp32's steps either.
+    off = (bf16[0] - fp32).norm() / (fp32 - weight).norm()
+    assert 1e-4 < off < 0.02
 
 
 def test_soap_put_back_to_an_earlier_state_goes_on_from_it():
@@ -435,10 +451,11 @@ def test_soap_takes_the_hidden_matrices_and_adamw_the_rest():
     from train_gpt2 import GPT, make_optimizer
     model = GPT(with_overrides(TINY, vocab_size=64, x0_mix=True))
     soap, adamw = make_optimizer(model, train_flags("--optimizer", "soap", "--soap_lr", "0.004", "--scalar_lr",
-                                                    "0.04", "--soap_update_every", "5", "--soap_max_dim", "96"),
+                                                    "0.04", "--soap_update_every", "5", "--soap_max_dim", "96",
+                                                    "--soap_bases", "bf16"),
                                  torch.device("cpu")).optimizers
     assert isinstance(soap, SOAP) and soap.param_groups[0]["precondition_frequency"] == 5
-    assert soap.param_groups[0]["max_dim"] == 96
+    assert soap.param_groups[0]["max_dim"] == 96 and soap.param_groups[0]["basis_dtype"] == torch.bfloat16
     blocks = {id(m.weight) for m in model.transformer.h.modules() if isinstance(m, torch.nn.Linear)}
     assert {id(p) for p in soap.param_groups[0]["params"]} == blocks and soap.param_groups[0]["lr"] == 0.004
     assert {g["lr"] for g in adamw.param_groups} == {0.0018, 0.04}  # the head at --learning_rate, the gains' own
