@@ -316,7 +316,7 @@ def refresh_bases(state: dict[str, torch.Tensor]):
     """One power iteration per side of a stack of matrices (Q <- QR(M Q)), the columns ordered by the eigenvalues
     Q^T M Q estimates, largest first; the second moment's rows and columns follow their basis vectors. In place:
     the stacks' rows are the matrices' states. The first moment turns from the old bases to the new ones."""
-    bases = [None if q is None else q.float() for q in (state.get("Q_L"), state.get("Q_R"))]  # the old, in fp32
+    bases = fp32_bases(state)  # the old ones
     first = in_bases(state["rotated_avg"], *bases, back=True)
     second = state["exp_avg_sq"]
     for side, axis, old in (("L", -2, bases[0]), ("R", -1, bases[1])):
@@ -328,8 +328,12 @@ def refresh_bases(state: dict[str, torch.Tensor]):
         basis.copy_(torch.linalg.qr(torch.take_along_dim(moved, ranking.unsqueeze(-2), dim=-1))[0])
         second = torch.take_along_dim(second, ranking.unsqueeze(-1 if axis == -2 else -2), dim=axis)
     state["exp_avg_sq"].copy_(second)
-    state["rotated_avg"].copy_(in_bases(first, *(None if q is None else q.float()
-                                                 for q in (state.get("Q_L"), state.get("Q_R")))))
+    state["rotated_avg"].copy_(in_bases(first, *fp32_bases(state)))
+
+
+def fp32_bases(state: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
+    """Q_L and Q_R in fp32 (None: a side kept on its axes), whatever the dtype they are kept in."""
+    return [None if q is None else q.float() for q in (state.get("Q_L"), state.get("Q_R"))]
 
 
 def in_bases(x: torch.Tensor, Q_L: torch.Tensor | None, Q_R: torch.Tensor | None, back: bool = False) -> torch.Tensor:

@@ -241,11 +241,16 @@ def soap_trajectories(weights: list[torch.Tensor], grads: list[list[torch.Tensor
     from optimizers import SOAP
     params = [torch.nn.Parameter(w.clone()) for w in weights]
     optimizer = SOAP(params, **kwargs)
+    soap_steps(optimizer, params, grads)
+    return [p.detach() for p in params], optimizer
+
+
+def soap_steps(optimizer, params: list[torch.nn.Parameter], grads: list[list[torch.Tensor | None]]):
+    """optimizer steps params through grads (per step, each one's gradient; None: that one gets none that step)."""
     for step in grads:
         for p, grad in zip(params, step):
             p.grad = None if grad is None else grad.clone()
         optimizer.step()
-    return [p.detach() for p in params], optimizer
 
 
 def soap_trajectory(weight: torch.Tensor, grads: list[torch.Tensor], **kwargs) -> torch.Tensor:
@@ -382,10 +387,7 @@ def test_soap_resumed_from_its_state_dict_goes_on_as_the_uninterrupted_one(max_d
     params = [torch.nn.Parameter(w) for w in halfway]
     resumed = SOAP(params, **settings)
     resumed.load_state_dict(first.state_dict())
-    for step in grads[4:]:
-        for p, grad in zip(params, step):
-            p.grad = grad.clone()
-        resumed.step()
+    soap_steps(resumed, params, grads[4:])
     for p, w in zip(params, whole):
         torch.testing.assert_close(p.detach(), w, rtol=0, atol=0)
 
@@ -413,18 +415,12 @@ def test_soap_put_back_to_an_earlier_state_goes_on_from_it():
     halfway, optimizer = soap_trajectories([torch.ones(4, 3)] * 2, grads[:3], **settings)
     params, halfway = optimizer.param_groups[0]["params"], [w.clone() for w in halfway]
     saved = copy.deepcopy(optimizer.state_dict())
-    for grad in grads[3:5]:  # steps that are undone
-        for p in params:
-            p.grad = grad[0].clone()
-        optimizer.step()
+    soap_steps(optimizer, params, [[grad[0]] * 2 for grad in grads[3:5]])  # steps that are undone
     optimizer.load_state_dict(saved)
     with torch.no_grad():
         for p, w in zip(params, halfway):
             p.copy_(w)
-    for step in grads[3:]:
-        for p, grad in zip(params, step):
-            p.grad = grad.clone()
-        optimizer.step()
+    soap_steps(optimizer, params, grads[3:])
     for p, w in zip(params, whole):
         torch.testing.assert_close(p.detach(), w, rtol=0, atol=0)
 
