@@ -127,10 +127,10 @@ class TrainConfig:
     soap_max_dim: int = flag("optimization", 10000,
                 "--optimizer soap: a matrix side longer than this keeps its axes, Adam along it (SOAP's "
                 "max_precond_dim): no statistics or basis of that size, each a product and a QR of it")
-    soap_bases: str = flag("optimization", "fp32",
+    soap_bases: str = flag("optimization", "bf16",
                 "--optimizer soap: the eigenbases' precision, and so the step's products' (into the bases, out, the "
-                "statistics): fp32 (products in TF32), or bf16 (twice TF32's rate on Hopper; moments, statistics "
-                "and each refresh stay fp32)", choices=("fp32", "bf16"))
+                "statistics): bf16 (twice TF32's rate on Hopper; moments, statistics and each refresh stay fp32; "
+                "the same loss as fp32 within its seeds' spread), or fp32 (products in TF32)", choices=("bf16", "fp32"))
     muon_momentum_warmup: int = flag("optimization", 0,
                 f"raise Muon's momentum linearly from 0.85 to {MUON_MOMENTUM} over this many steps")
     normuon_beta2: float = flag("optimization", 0.0,

@@ -447,11 +447,11 @@ def test_soap_takes_the_hidden_matrices_and_adamw_the_rest():
     from train_gpt2 import GPT, make_optimizer
     model = GPT(with_overrides(TINY, vocab_size=64, x0_mix=True))
     soap, adamw = make_optimizer(model, train_flags("--optimizer", "soap", "--soap_lr", "0.004", "--scalar_lr",
-                                                    "0.04", "--soap_update_every", "5", "--soap_max_dim", "96",
-                                                    "--soap_bases", "bf16"),
+                                                    "0.04", "--soap_update_every", "5", "--soap_max_dim", "96"),
                                  torch.device("cpu")).optimizers
     assert isinstance(soap, SOAP) and soap.param_groups[0]["precondition_frequency"] == 5
-    assert soap.param_groups[0]["max_dim"] == 96 and soap.param_groups[0]["basis_dtype"] == torch.bfloat16
+    assert soap.param_groups[0]["max_dim"] == 96
+    assert soap.param_groups[0]["basis_dtype"] == torch.bfloat16  # by default
     blocks = {id(m.weight) for m in model.transformer.h.modules() if isinstance(m, torch.nn.Linear)}
     assert {id(p) for p in soap.param_groups[0]["params"]} == blocks and soap.param_groups[0]["lr"] == 0.004
     assert {g["lr"] for g in adamw.param_groups} == {0.0018, 0.04}  # the head at --learning_rate, the gains' own
