@@ -1463,9 +1463,11 @@ def mean_attention_span(rows: torch.Tensor, window: int, chunked: bool, doc_toke
 
 
 class StepMeter:
-    """Throughput of the optimizer steps: tokens/s and MFU of each, peak memory, and the steady-state median
-    the summary reports (steps after the 10th: compile stragglers and allocator warm-up stay out). `passes`: the
-    forward and backward passes a token takes (token dropout's two), which MFU counts."""
+    """Throughput of the optimizer steps: tokens/s and MFU of each, peak memory, and the steady state the summary
+    reports: the steps after the 10th (compile stragglers and allocator warm-up stay out), their tokens over their
+    time. Not a median: work done every N steps (SOAP's basis refresh) costs the run its share of the time, and a
+    median of steps hides it. `passes`: the forward and backward passes a token takes (token dropout's two),
+    which MFU counts."""
 
     def __init__(self, model: GPT, env, tokens_per_step: int, sample: torch.Tensor | None = None, passes: int = 1):
         self.model, self.sample, self.peak, self.passes = model, sample, peak_flops(env.device), passes
@@ -1506,21 +1508,28 @@ class StepMeter:
         return torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
 
     def eta_line(self, steps_left: int) -> str:
-        """How long the remaining steps take at the median step so far (training only; evaluations add to it)."""
+        """How long the remaining steps take at the median step so far (training only; evaluations add to it;
+        an early guess: the compile step stays out of it, and so does any work done every N steps)."""
         step_s = statistics.median(self.step_seconds)
         return (f"eta: {steps_left} steps to the end of the schedule take ~{steps_left * step_s / 60:.1f} min at "
                 f"{self.tokens_per_step / step_s:,.0f} tokens/s (plus evaluations; the run stops sooner if it "
                 "reaches the target)")
 
+    @staticmethod
+    def steady(values: list[float]) -> list[float]:
+        return values[10:] if len(values) > 10 else values
+
     def steady_tokens_per_s(self) -> float | None:
-        steady = self.step_seconds[10:] if len(self.step_seconds) > 10 else self.step_seconds
-        return self.tokens_per_step / statistics.median(steady) if steady else None
+        seconds = self.steady(self.step_seconds)
+        return self.tokens_per_step * len(seconds) / sum(seconds) if seconds else None
 
     def steady_mfu(self) -> float | None:
-        """The median MFU of the same steps: each counted at its own rows and window, so a run whose windows
-        or rows grow is not credited with attention work its early steps skipped."""
-        steady = self.step_mfus[10:] if len(self.step_mfus) > 10 else self.step_mfus
-        return statistics.median(steady) if steady else None
+        """The MFU of the same steps, their FLOPs over their time: each step counted at its own rows and window,
+        so a run whose windows or rows grow is not credited with attention work its early steps skipped."""
+        mfus, seconds = self.steady(self.step_mfus), self.steady(self.step_seconds)
+        if not mfus or len(mfus) != len(seconds):
+            return None  # a GPU without a known peak
+        return sum(mfu * t for mfu, t in zip(mfus, seconds)) / sum(seconds)
 
 
 # =============================================================================

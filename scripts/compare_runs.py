@@ -81,18 +81,25 @@ def crossing(evals: list[dict], target: float) -> tuple[float, float] | None:
 
 
 def run_stats(run: dict, target: float) -> dict:
-    """The numbers of one run; throughput from summary.json, else the median of logged steps 11+."""
+    """The numbers of one run; throughput from summary.json, else from the logged steps 11+ (their tokens and
+    FLOPs over their time, as the trainer's summary)."""
     steps, summary = run["steps"], run["summary"]
     hit = crossing(run["evals"], target)
-    steady = [s["tokens_per_s"] for s in steps[10:] or steps]
-    mfus = [s["mfu"] for s in steps[10:] or steps if s.get("mfu") is not None]
+    steady = steps[10:] or steps
+    seconds = sum(s.get("step_ms") or 0 for s in steady) / 1000
     mems = [s["peak_mem_mib"] for s in steps if s.get("peak_mem_mib") is not None]
+
+    def over_time(key: str) -> float | None:  # a per-step rate, weighted by each step's time
+        if not seconds or any(s.get(key) is None or s.get("step_ms") is None for s in steady):
+            return None
+        return sum(s[key] * s["step_ms"] / 1000 for s in steady) / seconds
+
     return dict(
         final_val_loss=run["evals"][-1]["val_loss"],
         time_to_target=hit[0] if hit else None,
         tokens_to_target=hit[1] if hit else None,
-        tokens_per_s=summary.get("tokens_per_s") or (statistics.median(steady) if steady else None),
-        mfu_pct=100 * (summary.get("mfu") or (statistics.median(mfus) if mfus else 0)) or None,
+        tokens_per_s=summary.get("tokens_per_s") or over_time("tokens_per_s"),
+        mfu_pct=100 * (summary.get("mfu") or over_time("mfu") or 0) or None,
         peak_mem_mib=summary.get("peak_mem_mib") or (max(mems) if mems else None),
         compile_s=summary.get("compile_s"),
     )

@@ -5,8 +5,8 @@
 # self-sizing schedule and planned evaluations off), no coordinate-descent tuning (a recipe's combo kernels stay),
 # under a GPU memory cap (default 22 GiB: does it fit a 24 GB card?), at the full attention window (a recipe's
 # window warmup off: the run measures the steady state, not its first stage).
-# tokens/s is the trainer's median over steps 11-40, thirty steps, so that an occasional slow step (a host hiccup)
-# moves it little; the compile time is reported beside it, never inside it.
+# tokens/s is the trainer's steps 11-40, their tokens over their time: thirty steps, so that work done every N steps
+# (SOAP's basis refresh, every 10) counts at its share; the compile time is reported beside it, never inside it.
 #   bash scripts/throughput.sh DATA_DIR [SPEC ...] [-- extra train_gpt2.py flags for every run]
 # A SPEC is a model, or `NAME:MODEL FLAGS` in one argument (a part on a recipe: "vemb:d12_fast --value_embeds 3").
 # ROUNDS=N runs the list N times in turn (A B A B on one GPU: a difference is read beside its repeats' spread; the

@@ -221,3 +221,20 @@ def test_a_target_no_run_reaches_says_how_to_time_them_anyway(tmp_path, capsys):
         "(no run reaches 3.3821; --target first times each to the first run's final loss)")
     assert compare_runs.main([run, "--target", "first"]) == 0
     assert "no run reaches" not in capsys.readouterr().out
+
+
+def test_without_a_summary_throughput_is_the_steady_steps_tokens_over_their_time(tmp_path):
+    """A run cut short (no summary.json): tokens/s and MFU from its logged steps 11+, each weighted by its time,
+    so a slow step every few (SOAP's basis refresh) counts at its share, as in the trainer's summary."""
+    run = tmp_path / "cut"
+    run.mkdir()
+    with open(run / "metrics.jsonl", "w") as f:
+        for i in range(1, 31):
+            ms = 100.0 if i % 5 == 0 else 10.0  # 1,000 tokens a step
+            f.write(json.dumps(dict(step=i, tokens=1000 * i, train_loss=5.0, lr=1e-3, step_ms=ms,
+                                    tokens_per_s=1000 / (ms / 1000), mfu=0.4 * 10 / ms)) + "\n")
+        f.write(json.dumps(dict(step=30, tokens=30000, val_loss=3.0, train_time_s=1.0)) + "\n")
+    (run / "config.json").write_text(json.dumps({"args": {"model": "d12", "run_name": "cut"}}))
+    stats = compare_runs.run_stats(compare_runs.load_run(str(run)), 3.5)
+    assert stats["tokens_per_s"] == pytest.approx(20 * 1000 / (16 * 0.010 + 4 * 0.100))  # steps 11-30
+    assert stats["mfu_pct"] == pytest.approx(100 * 0.4 * 20 * 0.010 / (16 * 0.010 + 4 * 0.100))

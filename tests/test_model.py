@@ -91,9 +91,27 @@ def test_step_mfu_counts_each_steps_rows_and_window():
     mfus = [meter.step(0.5, rows, window)[1] for rows, window in steps]
     assert mfus == [flops_per_token(model, rows, local_window=window) * 200 / 1e15 for rows, window in steps]
     assert mfus[0] < mfus[2] and mfus[1] < mfus[2]  # less attention done at the same tokens/s
-    assert meter.steady_mfu() == sorted(mfus)[1]  # the summary's median
+    assert meter.steady_mfu() == pytest.approx(sum(mfus) / 3)  # the steps' FLOPs over their time
     sampled = meter.step(0.5, 1024, 0, 8192)[1]  # a sampled softmax's step: the head products it makes
     assert sampled == flops_per_token(model, 1024, head_columns=8192) * 200 / 1e15 and sampled < mfus[2]
+
+
+def test_steady_tokens_per_s_counts_work_done_every_n_steps_at_its_share():
+    """A step every 5th that takes 10x as long (SOAP's basis refresh) costs the summary its share of the time:
+    the steady tokens/s is the steps' tokens over their time, which a median of steps would hide."""
+    from types import SimpleNamespace
+    from train_gpt2 import StepMeter
+    with torch.device("meta"):
+        model = GPT(D12)
+    meter = StepMeter(model, SimpleNamespace(device=torch.device("cpu"), world_size=1), tokens_per_step=1000)
+    meter.peak = 1e15
+    seconds = [5.0] + [1.0 if step % 5 == 0 else 0.1 for step in range(1, 40)]  # a compile step first
+    for s in seconds:
+        meter.step(s, 1024, 0)
+    steady = seconds[10:]  # 30 steps, 6 of them slow
+    assert meter.steady_tokens_per_s() == pytest.approx(1000 * 30 / sum(steady))
+    assert meter.steady_tokens_per_s() == pytest.approx(1000 / (0.8 * 0.1 + 0.2 * 1.0))  # not 1000 / 0.1
+    assert meter.steady_mfu() == pytest.approx(flops_per_token(model, 1024) * meter.steady_tokens_per_s() / 1e15)
 
 
 def test_under_doc_mask_the_flops_count_attention_within_documents():
