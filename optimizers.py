@@ -212,7 +212,7 @@ class SOAP(torch.optim.Optimizer):
     stack per shape (`stacks`), so a step reads and writes them in place; a checkpoint holds each matrix's own
     state. `basis_dtype` bfloat16: the bases are kept in bf16 and the step's six products (into the bases, out of
     them, L and R) take bf16 inputs, at twice TF32's rate on Hopper, as Muon's Newton-Schulz does; the moments, L
-    and R stay fp32, and each refresh's power iteration and QR run in fp32."""
+    and R stay fp32, and each refresh's power iteration runs in fp32 (its QR in fp64: orthonormal_columns)."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.95, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, precondition_frequency: int = 10, max_dim: int = 10000,
@@ -325,10 +325,33 @@ def refresh_bases(state: dict[str, torch.Tensor]):
         basis = state[f"Q_{side}"]
         moved = state[side] @ old
         ranking = torch.argsort((old * moved).sum(dim=-2), dim=-1, descending=True)
-        basis.copy_(torch.linalg.qr(torch.take_along_dim(moved, ranking.unsqueeze(-2), dim=-1))[0])
+        basis.copy_(orthonormal_columns(torch.take_along_dim(moved, ranking.unsqueeze(-2), dim=-1)))
         second = torch.take_along_dim(second, ranking.unsqueeze(-1 if axis == -2 else -2), dim=axis)
     state["exp_avg_sq"].copy_(second)
     state["rotated_avg"].copy_(in_bases(first, *fp32_bases(state)))
+
+
+def orthonormal_columns(moved: torch.Tensor) -> torch.Tensor:
+    """The Q of QR for a stack of square matrices (each one's columns orthonormalized in order, as Gram-Schmidt
+    does), by CholeskyQR2 in fp64: twice Q <- Q R^-1 with R the Cholesky factor of Q^T Q, batched products and
+    solves, where torch's Householder QR factors one matrix after another, each call waiting on its own small
+    kernels. Each column comes out with Householder's up to its sign, which SOAP's update does not see: the first
+    moment is carried from basis to basis and the second is a square. A stack whose Gram matrix is not positive
+    definite (rank-deficient statistics) or whose result is not orthonormal takes Householder's QR."""
+    q = moved.double()
+    for _ in range(2):
+        r, info = torch.linalg.cholesky_ex(q.mT @ q, upper=True)
+        if info.any():
+            return torch.linalg.qr(moved)[0]
+        q = torch.linalg.solve_triangular(r, q, upper=True, left=False)
+    gram = q.mT @ q
+    gram.diagonal(dim1=-2, dim2=-1).sub_(1)  # in place: a stack of 4096-wide fp64 matrices is 1.6 GB
+    if gram.abs_().amax() > ORTHONORMAL_TOLERANCE:
+        return torch.linalg.qr(moved)[0]
+    return q.to(moved.dtype)
+
+
+ORTHONORMAL_TOLERANCE = 1e-6  # CholeskyQR2's columns in fp64 are orthonormal to ~1e-14 where it holds
 
 
 def fp32_bases(state: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:

@@ -344,6 +344,39 @@ def textbook_soap(weight, grads, lr, betas, eps, weight_decay, every):
     return w
 
 
+def power_iterated(n: int, m: int, generator: torch.Generator) -> torch.Tensor:
+    """A stack of n bases after SOAP's power iteration: statistics of gradients whose spectrum spans three
+    decades, times the eigenbasis of the statistics five steps earlier."""
+    L = torch.zeros(n, m, m, dtype=torch.float64)
+    scale = torch.logspace(0, -3, m, dtype=torch.float64)
+    for t in range(12):
+        g = torch.randn(n, m, 2 * m, dtype=torch.float64, generator=generator) * scale[:, None]
+        L = 0.95 * L + 0.05 * g @ g.mT
+        if t == 6:
+            old = torch.linalg.eigh(L)[1].flip(-1)
+    return (L @ old).float()
+
+
+def test_soap_orthonormalizes_a_refreshed_basis_as_householder_qr_does_up_to_signs(monkeypatch):
+    from optimizers import orthonormal_columns
+    moved = power_iterated(3, 24, torch.Generator().manual_seed(0))
+    householder = torch.linalg.qr(moved)[0]
+    monkeypatch.setattr(torch.linalg, "qr", None)  # the batched path alone: no fallback taken
+    q = orthonormal_columns(moved)
+    signs = torch.sign((q * householder).sum(-2, keepdim=True))
+    assert signs.abs().min() == 1
+    torch.testing.assert_close(q * signs, householder, rtol=0, atol=1e-5)
+    torch.testing.assert_close(q.mT @ q, torch.eye(24).expand(3, 24, 24), rtol=0, atol=1e-6)
+    assert q.dtype == moved.dtype
+
+
+def test_soap_orthonormalizes_rank_deficient_statistics_by_householder_qr():
+    from optimizers import orthonormal_columns
+    moved = power_iterated(2, 8, torch.Generator().manual_seed(1))
+    moved[1, :, 5] = 0  # a direction the statistics never saw: no Cholesky factor
+    torch.testing.assert_close(orthonormal_columns(moved), torch.linalg.qr(moved)[0], rtol=0, atol=0)
+
+
 def test_soap_is_the_textbook_algorithm():
     torch.manual_seed(0)
     weight = torch.randn(5, 4, dtype=torch.float64)
