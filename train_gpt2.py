@@ -1464,10 +1464,9 @@ def mean_attention_span(rows: torch.Tensor, window: int, chunked: bool, doc_toke
 
 class StepMeter:
     """Throughput of the optimizer steps: tokens/s and MFU of each, peak memory, and the steady state the summary
-    reports: the steps after the 10th (compile stragglers and allocator warm-up stay out), their tokens over their
-    time. Not a median: work done every N steps (SOAP's basis refresh) costs the run its share of the time, and a
-    median of steps hides it. `passes`: the forward and backward passes a token takes (token dropout's two),
-    which MFU counts."""
+    reports: the steps after the 10th (compile stragglers stay out), their tokens over their time, so that work
+    done every N steps (SOAP's refresh) counts at its share, which a median step hides. `passes`: the forward and
+    backward passes a token takes (token dropout's two), which MFU counts."""
 
     def __init__(self, model: GPT, env, tokens_per_step: int, sample: torch.Tensor | None = None, passes: int = 1):
         self.model, self.sample, self.peak, self.passes = model, sample, peak_flops(env.device), passes
@@ -1527,9 +1526,8 @@ class StepMeter:
         """The MFU of the same steps, their FLOPs over their time: each step counted at its own rows and window,
         so a run whose windows or rows grow is not credited with attention work its early steps skipped."""
         mfus, seconds = self.steady(self.step_mfus), self.steady(self.step_seconds)
-        if not mfus or len(mfus) != len(seconds):
-            return None  # a GPU without a known peak
-        return sum(mfu * t for mfu, t in zip(mfus, seconds)) / sum(seconds)
+        known = mfus and len(mfus) == len(seconds)  # not on a GPU without a known peak
+        return sum(mfu * t for mfu, t in zip(mfus, seconds)) / sum(seconds) if known else None
 
 
 # =============================================================================
