@@ -12,8 +12,9 @@ the project's own command (the scripts with SETUP=0: the machine is set up, the 
     resume         the main job stopped by SIGTERM after a few steps, then --resume auto to its end
     baseline       baseline.sh's trainer line (d12, NoCap's flags, self-sized)
     throughput     throughput.sh for d12_fast and d12
-    P100 <model>   proxy.py's P100 form of each recipe, with its FineWeb checks; "P100 parts": d12_fast with every
-                   part its recipe leaves off (their GPU paths: the multi-target head, paired heads, the untie, ...)
+    P100 <model>   proxy.py's P100 form of each recipe, with its FineWeb checks; "P100 soap": d12_nocap with SOAP
+                   (its bases refreshed); "P100 parts": d12_fast with every part its recipe leaves off (their GPU
+                   paths: the multi-target head, paired heads, the untie, ...)
     calibrate      calibrate.py run on a tiny budget (with --record: a folder of modded-nanogpt's records)
     profile        profile_model.py --compile at d12_fast's micro-batch
     torchrun       two processes under torchrun (on a machine with two GPUs)
@@ -137,6 +138,7 @@ def checks(args) -> list[list[Check]]:
                                        "--flags", f"--memory_cap_gib {cap}"),
                   [os.path.join(work, "p100", name, "runs", name)])
             for name, spec in (*((model, model) for model in ("d12", "d12_fast", "d12_nocap")),
+                               ("soap", "soap:d12_nocap --optimizer soap"),  # a refresh every 10 of its 61 steps
                                ("parts", f"parts:d12_fast {PARTS}"))]
     # The record runs under torchrun, uncapped: its code is the record's own, not the project's.
     calibrate = [Check("calibrate", [sys.executable, "scripts/calibrate.py", "run", args.record, "--budget", "2M",

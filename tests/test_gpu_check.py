@@ -39,11 +39,11 @@ def test_the_scripts_pass_the_trainer_flags_it_accepts(tmp_path):
     assert checks["sample"].command[-7].endswith("main/ckpt_000056.pt")
     assert checks["resume: SIGTERM"].expect_exit == 143 and checks["resume: --resume auto"].command[-2:] == \
         ["--resume", "auto"]
-    for model in ("d12", "d12_fast", "d12_nocap", "parts"):  # each P100 form with its checks, under the cap
+    for model in ("d12", "d12_fast", "d12_nocap", "soap", "parts"):  # each P100 form with its checks, capped
         command = checks[f"P100 {model}"].command
         spec = parse_spec(PROTOCOLS["P100"], command[command.index("P100") + 1], command[-1].split())
-        checked_flags("--model", spec.model, *spec.flags)
-        assert "--memory_cap_gib" in command[-1]
+        args = checked_flags("--model", spec.model, *spec.flags)
+        assert "--memory_cap_gib" in command[-1] and (args.optimizer == "soap") == (model == "soap")
     assert "calibrate" not in checks and "calibrate" in the_checks(tmp_path, record=str(tmp_path))
     groups = gpu_check.checks(Namespace(data="d", work="w", record=None, cap_gib=22.0))
     assert [c.name for c in groups[-1]] == ["throughput"]  # last and alone: its tokens/s are its own
