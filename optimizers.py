@@ -212,7 +212,7 @@ class SOAP(torch.optim.Optimizer):
     stack per shape (`stacks`), so a step reads and writes them in place; a checkpoint holds each matrix's own
     state. `basis_dtype` bfloat16: the bases are kept in bf16 and the step's six products (into the bases, out of
     them, L and R) take bf16 inputs, at twice TF32's rate on Hopper, as Muon's Newton-Schulz does; the moments, L
-    and R stay fp32, and each refresh's power iteration runs in fp32 (its QR in fp64: orthonormal_columns)."""
+    and R stay fp32, and each refresh's power iteration and QR run in fp32 (orthonormal_columns)."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.95, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, precondition_frequency: int = 10, max_dim: int = 10000,
@@ -333,25 +333,36 @@ def refresh_bases(state: dict[str, torch.Tensor]):
 
 def orthonormal_columns(moved: torch.Tensor) -> torch.Tensor:
     """The Q of QR for a stack of square matrices (each one's columns orthonormalized in order, as Gram-Schmidt
-    does), by CholeskyQR2 in fp64: twice Q <- Q R^-1 with R the Cholesky factor of Q^T Q, batched products and
-    solves, where torch's Householder QR factors one matrix after another, each call waiting on its own small
-    kernels. Each column comes out with Householder's up to its sign, which SOAP's update does not see: the first
-    moment is carried from basis to basis and the second is a square. A stack whose Gram matrix is not positive
-    definite (rank-deficient statistics) or whose result is not orthonormal takes Householder's QR."""
-    q = moved.double()
+    does), by CholeskyQR2: twice Q <- Q R^-1 with R the Cholesky factor of Q^T Q, batched products and solves,
+    where torch's Householder QR factors one matrix after another, each call waiting on its own small kernels.
+    In fp32 with TF32 off (its products would leave the columns ~1e-3 from orthonormal; fp64 runs at 1/64 of
+    fp32's rate on consumer cards). Each column comes out as Householder's up to its sign, which SOAP's update
+    does not see: the first moment is carried from basis to basis and the second is a square. A stack whose Gram
+    matrix is not positive definite (rank-deficient statistics) or whose result is not orthonormal takes
+    Householder's QR."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        q = cholesky_qr2(moved.float())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return torch.linalg.qr(moved)[0] if q is None else q.to(moved.dtype)
+
+
+def cholesky_qr2(q: torch.Tensor) -> torch.Tensor | None:
+    """orthonormal_columns' two passes; None where a Cholesky factor fails or the columns end up further than
+    ORTHONORMAL_TOLERANCE from orthonormal."""
     for _ in range(2):
         r, info = torch.linalg.cholesky_ex(q.mT @ q, upper=True)
         if info.any():
-            return torch.linalg.qr(moved)[0]
+            return None
         q = torch.linalg.solve_triangular(r, q, upper=True, left=False)
     gram = q.mT @ q
-    gram.diagonal(dim1=-2, dim2=-1).sub_(1)  # in place: a stack of 4096-wide fp64 matrices is 1.6 GB
-    if gram.abs_().amax() > ORTHONORMAL_TOLERANCE:
-        return torch.linalg.qr(moved)[0]
-    return q.to(moved.dtype)
+    gram.diagonal(dim1=-2, dim2=-1).sub_(1)
+    return None if gram.abs_().amax() > ORTHONORMAL_TOLERANCE else q
 
 
-ORTHONORMAL_TOLERANCE = 1e-6  # CholeskyQR2's columns in fp64 are orthonormal to ~1e-14 where it holds
+ORTHONORMAL_TOLERANCE = 1e-4  # fp32's CholeskyQR2 leaves ~1e-6 where it holds; bf16 bases keep ~4e-3
 
 
 def fp32_bases(state: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
