@@ -87,11 +87,6 @@ class GPTConfig:
     # mirror n_layer - value_embeds + j.
     value_embeds: int = knob(0, "extra token tables blended into the values of the first and last this many "
                                 "blocks: v = a v + b e[token], a and b learned from 1/2")
-    # The tables' later form (modded-nanogpt, 2025-09 on): from zero, so a block starts as it would without them,
-    # and added through a gate per value head that the block's input sets.
-    value_embed_gate: int = knob(0, "> 0: the value-embedding tables start at zero and add to the values as "
-                                    "v + 2 sigmoid(g) e[token] per head, g a learned projection (from zero) of the "
-                                    "first this many channels of the block's input (e.g. 12; 0: the blend above)")
     # A head with nothing to add must otherwise park its attention on a sink token; a gate read off the block's
     # input lets it output nothing (modded-nanogpt's sparse attention gate, 2025-08).
     attn_gate: int = knob(0, "> 0: each head's output is scaled by the sigmoid of a learned projection (from zero) "
@@ -155,10 +150,10 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("n_kv_head", "window", "kv_lora_rank", "moe_experts", "mtp_k", "value_embeds", "bigram_table",
-                     "attn_gate", "smear_gate", "backout", "hyper_streams", "value_embed_gate"):
+                     "attn_gate", "smear_gate", "backout", "hyper_streams"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        for name in ("attn_gate", "smear_gate", "value_embed_gate"):
+        for name in ("attn_gate", "smear_gate"):
             if getattr(self, name) > self.n_embd:
                 raise ValueError(f"{name}={getattr(self, name)} reads more channels than n_embd={self.n_embd}")
         if not 0 <= self.untie_at < 1:
@@ -234,9 +229,6 @@ class GPTConfig:
         if self.value_embeds and self.kv_lora_rank:
             raise ValueError("value_embeds blends tables into per-head values of grouped attention; MLA (kv_lora_rank "
                              "> 0) has no such values — turn one of them off")
-        if self.value_embed_gate and not self.value_embeds:
-            raise ValueError(f"value_embed_gate={self.value_embed_gate} gates the value-embedding tables: pass "
-                             "value_embeds > 0 too")
         if 2 * self.value_embeds > self.n_layer:
             raise ValueError(f"value_embeds={self.value_embeds}: each table serves a first block and its mirror among "
                              f"the last, so at most n_layer // 2 = {self.n_layer // 2}")

@@ -397,14 +397,9 @@ class CausalSelfAttention(Attention):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         # Value residual (ResFormer): blocks after the first blend in block 0's values, starting half-half.
         self.v_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if config.value_residual and layer > 0 else None
-        # A value embedding's rows, blended in the same way (GPTConfig.value_embeds), or added through a gate per
-        # value head that opens at 1 (GPTConfig.value_embed_gate).
+        # A value embedding's rows, blended in the same way (GPTConfig.value_embeds).
         has_table = config.value_embed_table(layer) is not None
-        gated = has_table and config.value_embed_gate > 0
-        self.ve_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if has_table and not gated else None
-        self.ve_gate = nn.Linear(config.value_embed_gate, config.kv_heads, bias=False) if gated else None
-        if self.ve_gate is not None:
-            nn.init.zeros_(self.ve_gate.weight)
+        self.ve_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if has_table else None
 
     def forward(self, x, cos, sin, masking: Masking | None = None, v0=None, ve=None):
         """Returns the attention output and the values used (block 0's feed the value residual). ve: this
@@ -432,9 +427,6 @@ class CausalSelfAttention(Attention):
             v = self.v_mix[0] * v + self.v_mix[1] * v0
         if self.ve_mix is not None:
             v = self.ve_mix[0] * v + self.ve_mix[1] * ve.view_as(v).to(v.dtype)  # the table is fp32 under autocast
-        if self.ve_gate is not None:
-            opening = 2 * torch.sigmoid(self.ve_gate(x[..., :c.value_embed_gate])).unsqueeze(-1)
-            v = v + (opening * ve.view_as(v)).to(v.dtype)
         values = v
         v = pair_heads(v) if self.paired else v
         return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking, x), values
@@ -745,9 +737,6 @@ class GPT(nn.Module):
         # Value embeddings: table j feeds blocks j and n_layer - value_embeds + j (GPTConfig.value_embed_table).
         self.value_embeds = nn.ModuleList([nn.Embedding(config.vocab_size, config.kv_heads * config.head_dim)
                                            for _ in range(config.value_embeds)])
-        if config.value_embed_gate:
-            for table in self.value_embeds:
-                nn.init.zeros_(table.weight)
         # U-net: block n_layer-1-i adds skip_weights[.] * (block i's output) to its input, for i < n_layer // 2.
         self.skip_weights = nn.Parameter(torch.ones(config.n_layer // 2)) if config.unet_skips else None
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)

@@ -53,7 +53,7 @@ def test_a_run_with_the_parts_trains_them_and_its_checkpoint_holds_them(tmp_path
                               "--smear_gate", "12", "--backout", "1", "--key_offset", "true", "--z_loss", "1e-4",
                               "--dense_inputs", "1", "--hyper_streams", "2", "--optimizer", "muon", "--window", "16",
                               "--window_pattern", "LG", "--window_kind", "chunked", "--window_iters", "4",
-                              "--yarn", "true", "--value_embeds", "1", "--value_embed_gate", "12")) == 0
+                              "--yarn", "true")) == 0
     losses = [r["train_loss"] for r in read_metrics(tmp_path / "bg") if "train_loss" in r]
     assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
     checkpoint = sorted((tmp_path / "bg").glob("ckpt_*.pt"))[-1]
@@ -63,7 +63,6 @@ def test_a_run_with_the_parts_trains_them_and_its_checkpoint_holds_them(tmp_path
     assert model.transformer.h[0].attn.gate.weight.abs().sum() > 0
     assert model.smear_gain != 0 and model.backout_gain != 0.5 and model.dense["1"].w_out.weight.abs().sum() > 0
     assert model.hyper[1].project.weight.abs().sum() > 0
-    assert model.value_embeds[0].weight.abs().sum() > 0 and model.transformer.h[0].attn.ve_gate.weight.abs().sum() > 0
 
 
 def test_eval_window_scores_a_trained_checkpoint_as_a_run_that_evaluated_at_it(tmp_path, shards, capsys):
@@ -104,29 +103,6 @@ def test_the_attention_gate_starts_at_half_and_lets_each_head_say_nothing():
     torch.testing.assert_close(gated(x, cos, sin)[0], plain(x, cos, sin)[0])
     with pytest.raises(ValueError, match="attn_gate=65 reads more channels than n_embd=64"):
         with_overrides(TINY, attn_gate=65)
-
-
-def test_gated_value_embeddings_start_at_zero_and_add_to_each_value_head_through_its_gate():
-    from train_gpt2 import CausalSelfAttention, Rotary
-    config = with_overrides(TINY, vocab_size=64, value_embeds=1, value_embed_gate=3)  # 4 value heads of 16
-    torch.manual_seed(0)
-    assert GPT(config).value_embeds[0].weight.abs().sum() == 0  # a block starts as it would without its table
-    gated, plain = CausalSelfAttention(config, 0), CausalSelfAttention(TINY, 0)
-    plain.load_state_dict({k: v for k, v in gated.state_dict().items() if not k.startswith("ve_gate.")})
-    x, ve = torch.randn(2, 10, 64), torch.randn(2, 10, 64)
-    x[..., 0] = 1.0  # the channel the gate's weights below read
-    cos, sin = Rotary(16, 32)(10)
-    values = plain(x, cos, sin)[1]
-    torch.testing.assert_close(gated(x, cos, sin, ve=ve)[1], values + ve.view_as(values))  # 2 sigmoid(0) = 1
-    with torch.no_grad():
-        gated.ve_gate.weight.zero_()
-        gated.ve_gate.weight[:, 0] = torch.tensor([60.0, -60.0, 0.0, 0.0])  # heads open 2x, shut, 1x, 1x
-    opening = torch.tensor([2.0, 0.0, 1.0, 1.0]).view(4, 1)
-    torch.testing.assert_close(gated(x, cos, sin, ve=ve)[1], values + opening * ve.view_as(values))
-    with pytest.raises(ValueError, match="value_embed_gate=3 gates the value-embedding tables"):
-        with_overrides(TINY, value_embed_gate=3)
-    with pytest.raises(ValueError, match="value_embed_gate=65 reads more channels than n_embd=64"):
-        with_overrides(TINY, value_embeds=1, value_embed_gate=65)
 
 
 def test_smear_adds_a_gated_share_of_the_previous_embedding_and_starts_silent():
