@@ -313,9 +313,14 @@ STACKED = ("rotated_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R")  # SOAP's per-ma
 
 
 def refresh_bases(state: dict[str, torch.Tensor]):
-    """One power iteration per side of a stack of matrices (Q <- QR(M Q)), the columns ordered by the eigenvalues
-    Q^T M Q estimates, largest first; the second moment's rows and columns follow their basis vectors. In place:
-    the stacks' rows are the matrices' states. The first moment turns from the old bases to the new ones."""
+    """One power iteration per side of a stack of matrices (Q <- QR((M + shift I) Q)), the columns ordered by the
+    eigenvalues Q^T M Q estimates, largest first; the second moment's rows and columns follow their basis vectors.
+    In place: the stacks' rows are the matrices' states. The first moment turns from the old bases to the new ones.
+    The shift, POWER_SHIFT times the largest estimate, leaves the eigenvectors as they are (Shampoo regularizes its
+    statistics the same way). It is for the directions whose eigenvalues lie far below it, most of a wide side's
+    (each step's G G^T has the narrow side's rank): unshifted, their columns of M Q are the bases' rounding error
+    (bf16's ~4e-3) times the top eigenvalues, nearly parallel, and no Cholesky factor of their Gram matrix exists
+    in fp32; shifted, each keeps its old direction plus what M adds, and CholeskyQR2 holds."""
     bases = fp32_bases(state)  # the old ones
     first = in_bases(state["rotated_avg"], *bases, back=True)
     second = state["exp_avg_sq"]
@@ -324,11 +329,18 @@ def refresh_bases(state: dict[str, torch.Tensor]):
             continue
         basis = state[f"Q_{side}"]
         moved = state[side] @ old
-        ranking = torch.argsort((old * moved).sum(dim=-2), dim=-1, descending=True)
+        estimates = (old * moved).sum(dim=-2)
+        moved.add_(old * (POWER_SHIFT * estimates.amax(dim=-1))[..., None, None])
+        ranking = torch.argsort(estimates, dim=-1, descending=True)
         basis.copy_(orthonormal_columns(torch.take_along_dim(moved, ranking.unsqueeze(-2), dim=-1)))
         second = torch.take_along_dim(second, ranking.unsqueeze(-1 if axis == -2 else -2), dim=axis)
     state["exp_avg_sq"].copy_(second)
     state["rotated_avg"].copy_(in_bases(first, *fp32_bases(state)))
+
+
+POWER_SHIFT = 1e-3  # enough for a GPT's statistics' Gram matrices to factor in fp32 (bar the first refresh's, far
+# from the step-0 bases: those take Householder), small enough that the bases diagonalize the statistics as well as
+# the unshifted iteration's (1e-2: measurably less)
 
 
 def orthonormal_columns(moved: torch.Tensor) -> torch.Tensor:

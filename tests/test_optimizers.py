@@ -334,10 +334,11 @@ def textbook_soap(weight, grads, lr, betas, eps, weight_decay, every):
         v = d2 * v + (1 - d2) * (Q_L.T @ g @ Q_R) ** 2
         update = Q_L @ ((Q_L.T @ m @ Q_R) / v.sqrt().clamp(min=eps)) @ Q_R.T
         L, R = d2 * L + (1 - d2) * g @ g.T, d2 * R + (1 - d2) * g.T @ g
-        if t % every == 0:
-            moved_L, moved_R = L @ Q_L, R @ Q_R
-            rank_L = torch.argsort((Q_L * moved_L).sum(0), descending=True)
-            rank_R = torch.argsort((Q_R * moved_R).sum(0), descending=True)
+        if t % every == 0:  # one power iteration on each side's statistics shifted by 1e-3 of their top eigenvalue
+            estimate_L, estimate_R = torch.diag(Q_L.T @ L @ Q_L), torch.diag(Q_R.T @ R @ Q_R)
+            moved_L, moved_R = (L + 1e-3 * estimate_L.max() * torch.eye(5, dtype=L.dtype)) @ Q_L, \
+                (R + 1e-3 * estimate_R.max() * torch.eye(4, dtype=R.dtype)) @ Q_R
+            rank_L, rank_R = torch.argsort(estimate_L, descending=True), torch.argsort(estimate_R, descending=True)
             Q_L, Q_R = torch.linalg.qr(moved_L[:, rank_L])[0], torch.linalg.qr(moved_R[:, rank_R])[0]
             v = v[rank_L][:, rank_R]
         w = w * (1 - lr * weight_decay) - lr * update
@@ -375,6 +376,32 @@ def test_soap_orthonormalizes_rank_deficient_statistics_by_householder_qr():
     moved = power_iterated(2, 8, torch.Generator().manual_seed(1))
     moved[1, :, 5] = 0  # a direction the statistics never saw: no Cholesky factor
     torch.testing.assert_close(orthonormal_columns(moved), torch.linalg.qr(moved)[0], rtol=0, atol=0)
+
+
+def test_soap_refreshes_a_wide_sides_bases_by_cholesky_qr2_though_its_statistics_are_rank_deficient(monkeypatch):
+    """A (96, 8) weight's G G^T has rank 8 a step: the wide side's statistics hold ~70 eigenvalues near zero, whose
+    columns of M Q, unshifted, are the bf16 bases' rounding error and leave the Gram matrix without a Cholesky
+    factor. With the shift every refresh but the first (far from the step-0 bases) takes the batched path."""
+    import optimizers
+    fallbacks = []
+    qr = torch.linalg.qr
+    monkeypatch.setattr(torch.linalg, "qr", lambda m: fallbacks.append(m.shape[-1]) or qr(m))
+
+    def refreshes_by_householder() -> list[int]:
+        fallbacks.clear()
+        generator = torch.Generator().manual_seed(0)
+        mix = torch.randn(96, 96, generator=generator) / 96**0.5
+        params = [torch.nn.Parameter(torch.randn(96, 8, generator=generator)) for _ in range(3)]
+        optimizer = optimizers.SOAP(params, lr=1e-2, precondition_frequency=5, basis_dtype=torch.bfloat16)
+        for _ in range(31):  # six refreshes
+            for p in params:
+                p.grad = mix @ torch.randn(96, 8, generator=generator) * torch.logspace(0, -2, 8)
+            optimizer.step()
+        return list(fallbacks)
+
+    assert refreshes_by_householder() == [96]
+    monkeypatch.setattr(optimizers, "POWER_SHIFT", 0.0)
+    assert refreshes_by_householder() == [96] * 6
 
 
 def test_soap_is_the_textbook_algorithm():
