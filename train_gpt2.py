@@ -140,7 +140,8 @@ def parse_args(argv=None) -> tuple[GPTConfig, TrainConfig]:
     """The command line as the run's model config and training config, with the chosen variant's recipe
     (model_variants.RECIPES) as flag defaults, which --help shows beside the variant's own fields. A
     --num_iterations other than the recipe's re-sizes its step-counted settings, so that a shorter or longer run
-    keeps the recipe's shape."""
+    keeps the recipe's shape; so does a --total_batch_size other than the recipe's, without --num_iterations: the
+    run keeps the recipe's tokens (its steps in inverse proportion), each setting its fraction of them."""
     first = ArgumentParser(add_help=False)  # which variant, and whether the batch is sized on the command line
     first.add_argument("--model", default="d12")
     first.add_argument("--total_batch_size", type=int)
@@ -155,12 +156,19 @@ def parse_args(argv=None) -> tuple[GPTConfig, TrainConfig]:
     parser.set_defaults(**recipe)
     parsed = parser.parse_args(argv)
     defaults = {flag: parser.get_default(flag) for flag in ("num_iterations", *SCHEDULE_STEP_FLAGS)}
+    given = given_flags(build_parser(known.model), argv)
+    reason = f"--num_iterations {parsed.num_iterations}"
+    recipe_batch = RECIPES.get(known.model, {}).get("total_batch_size")
+    if recipe_batch and known.total_batch_size not in (None, recipe_batch) and "num_iterations" not in given:
+        parsed.num_iterations = max(1, round(defaults["num_iterations"] * recipe_batch / known.total_batch_size))
+        reason = (f"--total_batch_size {known.total_batch_size} (the recipe's {recipe_batch}: the same tokens in "
+                  f"{parsed.num_iterations} steps)")
     if parsed.num_iterations != defaults["num_iterations"] and parsed.num_iterations > 0:
-        resized = resized_schedule(defaults, parsed.num_iterations, given_flags(build_parser(known.model), argv))
+        resized = resized_schedule(defaults, parsed.num_iterations, given)
         if resized:
             vars(parsed).update(resized)
-            notice(f"--num_iterations {parsed.num_iterations} re-sizes {known.model}'s schedule of "
-                   f"{defaults['num_iterations']} steps: " + " ".join(f"--{k} {v}" for k, v in resized.items())
+            notice(f"{reason} re-sizes {known.model}'s schedule of {defaults['num_iterations']} steps: "
+                   + " ".join(f"--{k} {v}" for k, v in resized.items())
                    + " (each keeps its fraction of the run; a flag given on the command line wins)")
     return resolve_model_config(parsed), TrainConfig(**{f.name: getattr(parsed, f.name) for f in fields(TrainConfig)})
 

@@ -176,11 +176,16 @@ def parse_spec(protocol: Protocol, text: str, common: list[str] = ()) -> Spec:
         schedule = {}  # its FineWeb recipe, which --budget re-sizes
     else:
         schedule = dict(protocol.reference)
-    args = trainer_args(model, [*as_flags(schedule), *own])
+    own_steps = "--num_iterations" in own or any(w.startswith("--num_iterations=") for w in own)
+    if budget is not None and budget_given and own_steps:
+        raise InputError(f"spec {text!r}: pass --budget or --num_iterations, not both")
+    # A budget re-sizes the recipe's own schedule (the form's step counts are the recipe's): its length pinned, so
+    # that a batch of the spec's own does not re-size it first.
+    pinned = [] if budget is None or own_steps or "num_iterations" in schedule else [
+        "--num_iterations", str(trainer_args(model, []).num_iterations)]
+    args = trainer_args(model, [*pinned, *as_flags(schedule), *own])
     step_tokens = tokens_per_step(args)
     if budget is not None:
-        if budget_given and ("--num_iterations" in own or any(w.startswith("--num_iterations=") for w in own)):
-            raise InputError(f"spec {text!r}: pass --budget or --num_iterations, not both")
         steps = max(1, round(budget / step_tokens))
         for flag in STEP_FLAGS:  # the same fractions of the run, at the new length ("auto" is one already)
             value = getattr(args, flag)

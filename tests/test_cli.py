@@ -179,6 +179,23 @@ def test_num_iterations_alone_resizes_the_recipes_step_counted_settings(capsys):
     checked_flags("--model", "d12_fast", "--num_iterations", "1000")  # the recipe at a tenth of its length is valid
 
 
+def test_a_batch_other_than_the_recipes_keeps_its_tokens_and_its_schedules_shape(capsys):
+    fast = train_flags("--model", "d12_fast", "--total_batch_size", "393216")  # 6x the recipe's 65,536
+    assert (fast.num_iterations, fast.warmdown_iters, fast.muon_momentum_warmup, fast.window_iters) == (
+        1667, 1667, 250, 1094)
+    assert ("notice: --total_batch_size 393216 (the recipe's 65536: the same tokens in 1667 steps) re-sizes "
+            "d12_fast's schedule of 10000 steps: --warmdown_iters 1667") in capsys.readouterr().err
+    nocap = train_flags("--model", "d12_nocap", "--total_batch_size", "65536")  # 2.5B tokens either way
+    assert (nocap.num_iterations, nocap.warmup_iters, nocap.curriculum_iters, nocap.val_loss_every) == (
+        38144, 1907, 7629, 1024)
+    longer = train_flags("--model", "d12_fast", "--total_batch_size", "393216", "--num_iterations", "500")
+    assert (longer.num_iterations, longer.window_iters) == (500, 328)  # steps given: the run's fractions
+    capsys.readouterr()
+    same = train_flags("--model", "d12_fast", "--total_batch_size", "65536")
+    d12 = train_flags("--total_batch_size", "131072")  # NoCap's schedule names no batch of its own
+    assert (same.num_iterations, d12.num_iterations) == (10000, 4768) and capsys.readouterr().err == ""
+
+
 def test_every_model_field_has_an_override_flag():
     from model_variants import config_fields
     args = build_parser().parse_args(["--n_layer", "6", "--logit_softcap", "15", "--attn_impl", "manual"])
