@@ -212,14 +212,21 @@ class SOAP(torch.optim.Optimizer):
     stack per shape (`stacks`), so a step reads and writes them in place; a checkpoint holds each matrix's own
     state. `basis_dtype` bfloat16: the bases are kept in bf16 and the step's six products (into the bases, out of
     them, L and R) take bf16 inputs, at twice TF32's rate on Hopper, as Muon's Newton-Schulz does; the moments, L
-    and R stay fp32, and each refresh's power iteration and QR run in fp32 (orthonormal_columns)."""
+    and R stay fp32, and each refresh's power iteration and QR run in fp32 (orthonormal_columns). `pieces` (a
+    param group's; rows, columns): each matrix of the group is that grid of equal blocks, each preconditioned as a
+    matrix of its own (block-diagonal Shampoo): a fused q/k/v projection (3, 1) as its three maps, at a ninth of
+    the cost of its long side's basis."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.95, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, precondition_frequency: int = 10, max_dim: int = 10000,
-                 basis_dtype: torch.dtype = torch.float32):
+                 basis_dtype: torch.dtype = torch.float32, pieces: tuple[int, int] = (1, 1)):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       precondition_frequency=precondition_frequency, max_dim=max_dim,
-                                      basis_dtype=basis_dtype))
+                                      basis_dtype=basis_dtype, pieces=pieces))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.shape[-2] % group["pieces"][0] or p.shape[-1] % group["pieces"][1]:
+                    raise ValueError(f"SOAP: a {tuple(p.shape)} matrix does not split into {group['pieces']} pieces")
         self.stacks: dict[torch.Size, tuple[tuple[int, ...], dict[str, torch.Tensor]]] = {}
 
     @torch.no_grad()
@@ -246,7 +253,8 @@ class SOAP(torch.optim.Optimizer):
 
     def update(self, params: list[nn.Parameter], group: dict):
         """One SOAP step of same-shaped matrices at one step count."""
-        grads = torch.stack([p.grad for p in params]).float()
+        grid = group["pieces"]
+        grads = to_blocks(torch.stack([p.grad for p in params]).float(), grid)
         if not self.state[params[0]]:
             self.start(params, grads, group["max_dim"], group["basis_dtype"])
             return
@@ -262,7 +270,7 @@ class SOAP(torch.optim.Optimizer):
         state["rotated_avg"].lerp_(rotated, 1 - decay1)
         state["exp_avg_sq"].lerp_(rotated.square(), 1 - decay2)
         step_in_bases = state["rotated_avg"] / state["exp_avg_sq"].sqrt().clamp(min=group["eps"])
-        update = in_bases(step_in_bases.to(products.dtype), Q_L, Q_R, back=True)
+        update = from_blocks(in_bases(step_in_bases.to(products.dtype), Q_L, Q_R, back=True), grid, params[0].shape)
         if "L" in state:
             state["L"].lerp_((products @ products.mT).float(), 1 - decay2)
         if "R" in state:
@@ -298,18 +306,37 @@ class SOAP(torch.optim.Optimizer):
         if ids == tuple(id(p) for p in params):
             return stack
         names = [name for name in STACKED if self.state[params[0]].get(name) is not None]
-        return self.adopt(params, {name: torch.stack([self.state[p][name] for p in params]).to(
-            basis_dtype if name in ("Q_L", "Q_R") else torch.float32) for name in names})
+        rows = [[self.state[p][name].reshape(-1, *self.state[p][name].shape[-2:]) for p in params] for name in names]
+        return self.adopt(params, {name: torch.cat(tensors).to(basis_dtype if name in ("Q_L", "Q_R") else torch.float32)
+                                   for name, tensors in zip(names, rows)})
 
     def adopt(self, params: list[nn.Parameter], stack: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Keeps `stack` as the shape's, each matrix's state a view of its row."""
+        """Keeps `stack` as the shape's, each matrix's state a view of its row (of its blocks' rows, in order)."""
         self.stacks[params[0].shape] = (tuple(id(p) for p in params), stack)
+        per = len(stack["rotated_avg"]) // len(params)
         for i, p in enumerate(params):
-            self.state[p].update({name: tensor[i] for name, tensor in stack.items()})
+            self.state[p].update({name: tensor[i] if per == 1 else tensor[i * per:(i + 1) * per]
+                                  for name, tensor in stack.items()})
         return stack
 
 
 STACKED = ("rotated_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R")  # SOAP's per-matrix tensors (L, Q_L: rows <= max_dim)
+
+
+def to_blocks(x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """A stack of matrices (k, m, n) as its blocks (k * r * c, m / r, n / c): matrix by matrix, row-major."""
+    (k, m, n), (r, c) = x.shape, grid
+    if r == c == 1:
+        return x
+    return x.reshape(k, r, m // r, c, n // c).transpose(2, 3).reshape(k * r * c, m // r, n // c)
+
+
+def from_blocks(x: torch.Tensor, grid: tuple[int, int], shape: torch.Size) -> torch.Tensor:
+    """to_blocks undone: the blocks of matrices of `shape` as those matrices."""
+    (r, c), (m, n) = grid, shape
+    if r == c == 1:
+        return x
+    return x.reshape(-1, r, c, m // r, n // c).transpose(2, 3).reshape(-1, m, n)
 
 
 def refresh_bases(state: dict[str, torch.Tensor]):

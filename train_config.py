@@ -26,6 +26,31 @@ COMPILE_TUNINGS = ("coordinate_descent", "combo_kernels", "none")
 FREQUENCY_COUNT_TOKENS = 40_000_000
 
 
+# Flags counted in optimizer steps: the schedule's shape, which resized_schedule re-sizes with the run's length.
+SCHEDULE_STEP_FLAGS = ("warmup_iters", "warmdown_iters", "muon_momentum_warmup", "val_loss_every", "curriculum_iters",
+                       "window_iters", "overtime_steps")
+
+
+def given_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
+    """The flags the command line sets (abbreviated or as --flag=value too): argv parsed again with every
+    default replaced by a marker."""
+    unset = object()
+    parser.set_defaults(**{action.dest: unset for action in parser._actions})
+    given, _ = parser.parse_known_args(argv)
+    return {dest for dest, value in vars(given).items() if value is not unset}
+
+
+def resized_schedule(defaults: dict, steps: int, given: set[str]) -> dict:
+    """The step-counted flags of a schedule of defaults["num_iterations"] steps at `steps` steps, each keeping
+    its fraction of the run (an evaluation interval at least 1); those given on the command line keep theirs."""
+    scale = steps / defaults["num_iterations"]
+    resized = {flag: round(defaults[flag] * scale) for flag in SCHEDULE_STEP_FLAGS
+               if isinstance(defaults[flag], int) and defaults[flag] and flag not in given}
+    if "val_loss_every" in resized:
+        resized["val_loss_every"] = max(1, resized["val_loss_every"])
+    return resized
+
+
 def parse_save_every(text: str) -> str:
     try:
         value = float(text[:-1]) if text.endswith("m") else int(text)
@@ -127,6 +152,10 @@ class TrainConfig:
     soap_max_dim: int = flag("optimization", 10000,
                 "--optimizer soap: a matrix side longer than this keeps its axes, Adam along it (SOAP's "
                 "max_precond_dim): no statistics or basis of that size, each a product and a QR of it")
+    soap_per_map: bool = flag("optimization", False,
+                "--optimizer soap: precondition each map of a fused projection as a matrix of its own (q, k and v "
+                "of one size; a gated MLP's gate and up): bases of 768 and 2048 rows for d12's 2304 and 4096",
+                action="store_true")
     soap_bases: str = flag("optimization", "bf16",
                 "--optimizer soap: the eigenbases' precision, and so the step's products' (into the bases, out, the "
                 "statistics): bf16 (twice TF32's rate on Hopper; moments, statistics and each refresh stay fp32; "

@@ -47,7 +47,8 @@ try:  # a few seconds of loading torch: Ctrl-C there is a stop, not a traceback 
                          format_summary, git_sha, list_checkpoints, load_checkpoint, read_metrics, repair_run_dir,
                          resolve_checkpoint_path, run_dir_path, state_digest)
     from schedule import Schedule, StepSettings, Turn, doubling_stages, overtime_applies
-    from train_config import FREQUENCY_COUNT_TOKENS, NOCAP_VAL_ROW, TrainConfig, add_train_flags
+    from train_config import (FREQUENCY_COUNT_TOKENS, NOCAP_VAL_ROW, SCHEDULE_STEP_FLAGS, TrainConfig, add_train_flags,
+                              given_flags, resized_schedule)
 except KeyboardInterrupt:
     print("interrupted while loading torch: nothing ran", file=sys.stderr)
     sys.exit(128 + signal.SIGINT)
@@ -109,31 +110,6 @@ def resolve_model_config(namespace: argparse.Namespace) -> GPTConfig:
         return with_overrides(base, **overrides)
     except ValueError as e:
         raise InputError(f"--model {namespace.model} with overrides: {e}") from None
-
-
-# Flags counted in optimizer steps: the schedule's shape, which --num_iterations alone re-sizes (resized_schedule).
-SCHEDULE_STEP_FLAGS = ("warmup_iters", "warmdown_iters", "muon_momentum_warmup", "val_loss_every", "curriculum_iters",
-                       "window_iters", "overtime_steps")
-
-
-def given_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
-    """The flags the command line sets (abbreviated or as --flag=value too): argv parsed again with every
-    default replaced by a marker."""
-    unset = object()
-    parser.set_defaults(**{action.dest: unset for action in parser._actions})
-    given, _ = parser.parse_known_args(argv)
-    return {dest for dest, value in vars(given).items() if value is not unset}
-
-
-def resized_schedule(defaults: dict, steps: int, given: set[str]) -> dict:
-    """The step-counted flags of a schedule of defaults["num_iterations"] steps at `steps` steps, each keeping
-    its fraction of the run (an evaluation interval at least 1); those given on the command line keep theirs."""
-    scale = steps / defaults["num_iterations"]
-    resized = {flag: round(defaults[flag] * scale) for flag in SCHEDULE_STEP_FLAGS
-               if isinstance(defaults[flag], int) and defaults[flag] and flag not in given}
-    if "val_loss_every" in resized:
-        resized["val_loss_every"] = max(1, resized["val_loss_every"])
-    return resized
 
 
 def parse_args(argv=None) -> tuple[GPTConfig, TrainConfig]:
@@ -1329,6 +1305,15 @@ def hidden_matrices(model: GPT) -> list[nn.Parameter]:
     return [p for p in hidden if id(p) not in excluded]
 
 
+def fused_maps(model: GPT) -> dict[int, tuple[int, int]]:
+    """The hidden matrices that stack several maps of one input, by id, as their grid of maps (rows, columns): an
+    attention's q, k and v where they are of one size (3, 1), a gated MLP's gate and up projections (2, 1)."""
+    fused = {id(m.c_attn.weight): (3, 1) for m in model.modules()
+             if isinstance(m, CausalSelfAttention) and len(set(m.split)) == 1}
+    fused |= {id(m.c_fc.weight): (2, 1) for m in model.modules() if isinstance(m, MLP) and m.act == "swiglu"}
+    return fused
+
+
 def make_optimizer(model: GPT, flags: TrainConfig, device: torch.device, compiled: bool = False) -> Optimizers:
     """The optimizers of flags.optimizer; compiled: Muon's update is compiled too."""
     adamw = dict(betas=(0.9, 0.95), weight_decay=flags.weight_decay, fused=device.type == "cuda")
@@ -1359,7 +1344,10 @@ def make_optimizer(model: GPT, flags: TrainConfig, device: torch.device, compile
               dict(params=scalars, lr=flags.learning_rate if flags.scalar_lr is None else flags.scalar_lr,
                    weight_decay=0.0)]
     if flags.optimizer == "soap":
-        matrices = SOAP(hidden, lr=flags.soap_lr, weight_decay=flags.weight_decay,
+        grids = fused_maps(model) if flags.soap_per_map else {}
+        by_grid = {grid: [p for p in hidden if grids.get(id(p), (1, 1)) == grid] for grid in {(1, 1), *grids.values()}}
+        matrices = SOAP([dict(params=params, pieces=grid) for grid, params in by_grid.items() if params],
+                        lr=flags.soap_lr, weight_decay=flags.weight_decay,
                         precondition_frequency=flags.soap_update_every, max_dim=flags.soap_max_dim,
                         basis_dtype=torch.bfloat16 if flags.soap_bases == "bf16" else torch.float32)
     else:

@@ -34,8 +34,8 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from data.shards import check_output_file  # noqa: E402
 from model_variants import RECIPES, get_variant  # noqa: E402
-from train_gpt2 import SCHEDULE_STEP_FLAGS, parse_args, read_shard_header  # noqa: E402
-from train_config import NOCAP_VAL_ROW, TrainConfig  # noqa: E402
+from train_gpt2 import parse_args, read_shard_header  # noqa: E402
+from train_config import NOCAP_VAL_ROW, SCHEDULE_STEP_FLAGS, TrainConfig  # noqa: E402
 from schedule import overtime_applies  # noqa: E402
 from run_dir import FINISHED_STATUSES, read_json  # noqa: E402
 from common import ArgumentParser, InputError  # noqa: E402

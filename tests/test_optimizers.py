@@ -413,6 +413,23 @@ def test_soap_is_the_textbook_algorithm():
                                textbook_soap(weight, grads, every=3, **settings), rtol=0, atol=1e-6)  # fp32 state
 
 
+def test_soap_in_pieces_is_soap_on_each_piece_as_a_matrix_of_its_own():
+    from optimizers import SOAP
+    torch.manual_seed(0)
+    weights = [torch.randn(6, 9, dtype=torch.float64) for _ in range(2)]  # one stack of two matrices' pieces
+    grads = [[torch.randn(6, 9, dtype=torch.float64) for _ in range(2)] for _ in range(7)]
+    settings = dict(lr=0.01, betas=(0.9, 0.95), weight_decay=0.1, precondition_frequency=2)
+    pieced, optimizer = soap_trajectories(weights, grads, pieces=(2, 3), **settings)
+    assert optimizer.state[optimizer.param_groups[0]["params"][1]]["Q_R"].shape == (6, 3, 3)
+    blocks = [(slice(r, r + 3), slice(c, c + 3)) for r in (0, 3) for c in (0, 3, 6)]
+    alone = soap_trajectories([w[b] for w in weights for b in blocks], [[g[b] for g in step for b in blocks]
+                                                                        for step in grads], **settings)[0]
+    torch.testing.assert_close(torch.stack([w[b] for w in pieced for b in blocks]), torch.stack(alone),
+                               rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"a \(6, 8\) matrix does not split into \(2, 3\) pieces"):
+        SOAP([torch.nn.Parameter(torch.zeros(6, 8))], lr=0.01, pieces=(2, 3))
+
+
 def test_soap_steps_the_matrices_of_one_shape_together_as_it_steps_each_alone():
     torch.manual_seed(0)
     shapes = [(5, 4), (4, 4), (5, 4), (5, 4)]  # three of one shape step as one batch
@@ -435,13 +452,15 @@ def test_soap_steps_the_matrices_of_one_shape_together_as_it_steps_each_alone():
 
 
 # 3: the rows keep their axes (no L, no Q_L in the state); bf16 bases: torch's load_state_dict casts them to fp32
-@pytest.mark.parametrize("max_dim, basis_dtype", [(10000, torch.float32), (3, torch.float32),
-                                                  (10000, torch.bfloat16)])
-def test_soap_resumed_from_its_state_dict_goes_on_as_the_uninterrupted_one(max_dim, basis_dtype):
+# (2, 1): the rows in two pieces
+@pytest.mark.parametrize("max_dim, basis_dtype, pieces", [(10000, torch.float32, (1, 1)), (3, torch.float32, (1, 1)),
+                                                          (10000, torch.bfloat16, (1, 1)),
+                                                          (10000, torch.float32, (2, 1))])
+def test_soap_resumed_from_its_state_dict_goes_on_as_the_uninterrupted_one(max_dim, basis_dtype, pieces):
     from optimizers import SOAP
     torch.manual_seed(0)
     grads = [[torch.randn(4, 3), torch.randn(4, 3)] for _ in range(7)]  # two matrices: one batch, one stack
-    settings = dict(lr=0.01, precondition_frequency=2, max_dim=max_dim, basis_dtype=basis_dtype)
+    settings = dict(lr=0.01, precondition_frequency=2, max_dim=max_dim, basis_dtype=basis_dtype, pieces=pieces)
     whole = soap_trajectories([torch.ones(4, 3)] * 2, grads, **settings)[0]
     halfway, first = soap_trajectories([torch.ones(4, 3)] * 2, grads[:4], **settings)
     params = [torch.nn.Parameter(w) for w in halfway]
@@ -501,6 +520,20 @@ def test_soap_multiplies_in_tf32_inside_its_step_only(monkeypatch):
     assert seen == [True] and not torch.backends.cuda.matmul.allow_tf32  # restored even so: evaluation stays fp32
 
 
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_soap_per_map_preconditions_q_k_v_and_the_gate_and_up_projections_each_on_its_own(kv_heads):
+    from model_variants import TINY, with_overrides
+    from train_gpt2 import GPT, make_optimizer
+    model = GPT(with_overrides(TINY, vocab_size=64, mlp_act="swiglu", n_kv_head=kv_heads))  # 4 heads: MHA, MQA
+    flags = train_flags("--optimizer", "soap", "--soap_per_map")
+    soap = make_optimizer(model, flags, torch.device("cpu")).optimizers[0]
+    grids = {id(p): group["pieces"] for group in soap.param_groups for p in group["params"]}
+    for block in model.transformer.h:
+        assert grids[id(block.mlp.c_fc.weight)] == (2, 1) and grids[id(block.mlp.c_proj.weight)] == (1, 1)
+        assert grids[id(block.attn.c_attn.weight)] == ((3, 1) if kv_heads == 4 else (1, 1))  # MQA: unequal maps
+    assert len(grids) == sum(isinstance(m, torch.nn.Linear) for m in model.transformer.h.modules())
+
+
 def test_soap_takes_the_hidden_matrices_and_adamw_the_rest():
     from model_variants import TINY, with_overrides
     from optimizers import SOAP
@@ -510,7 +543,7 @@ def test_soap_takes_the_hidden_matrices_and_adamw_the_rest():
                                                     "0.04", "--soap_update_every", "5", "--soap_max_dim", "96"),
                                  torch.device("cpu")).optimizers
     assert isinstance(soap, SOAP) and soap.param_groups[0]["precondition_frequency"] == 5
-    assert soap.param_groups[0]["max_dim"] == 96
+    assert soap.param_groups[0]["max_dim"] == 96 and soap.param_groups[0]["pieces"] == (1, 1)
     assert soap.param_groups[0]["basis_dtype"] == torch.bfloat16  # by default
     blocks = {id(m.weight) for m in model.transformer.h.modules() if isinstance(m, torch.nn.Linear)}
     assert {id(p) for p in soap.param_groups[0]["params"]} == blocks and soap.param_groups[0]["lr"] == 0.004
