@@ -376,29 +376,33 @@ def orthonormal_columns(moved: torch.Tensor) -> torch.Tensor:
     where torch's Householder QR factors one matrix after another, each call waiting on its own small kernels.
     In fp32 with TF32 off (its products would leave the columns ~1e-3 from orthonormal; fp64 runs at 1/64 of
     fp32's rate on consumer cards). Each column comes out as Householder's up to its sign, which SOAP's update
-    does not see: the first moment is carried from basis to basis and the second is a square. A stack whose Gram
+    does not see: the first moment is carried from basis to basis and the second is a square. A matrix whose Gram
     matrix is not positive definite (rank-deficient statistics) or whose result is not orthonormal takes
-    Householder's QR."""
+    Householder's QR, alone: the others keep theirs."""
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        q = cholesky_qr2(moved.float())
+        q, held = cholesky_qr2(moved.float())
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    return torch.linalg.qr(moved)[0] if q is None else q.to(moved.dtype)
+    q = q.to(moved.dtype)
+    if not held.all():
+        q[~held] = torch.linalg.qr(moved[~held])[0]
+    return q
 
 
-def cholesky_qr2(q: torch.Tensor) -> torch.Tensor | None:
-    """orthonormal_columns' two passes; None where a Cholesky factor fails or the columns end up further than
-    ORTHONORMAL_TOLERANCE from orthonormal."""
+def cholesky_qr2(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """orthonormal_columns' two passes, and for which matrices of the stack they held: a Cholesky factor both
+    times and columns within ORTHONORMAL_TOLERANCE of orthonormal. Each matrix is a batch element of its own, so
+    one whose factor fails (and comes out as garbage) leaves the others as they would be alone."""
+    held = torch.ones(q.shape[:-2], dtype=torch.bool, device=q.device)
     for _ in range(2):
         r, info = torch.linalg.cholesky_ex(q.mT @ q, upper=True)
-        if info.any():
-            return None
+        held &= info == 0
         q = torch.linalg.solve_triangular(r, q, upper=True, left=False)
     gram = q.mT @ q
     gram.diagonal(dim1=-2, dim2=-1).sub_(1)
-    return None if gram.abs_().amax() > ORTHONORMAL_TOLERANCE else q
+    return q, held & (gram.abs().amax(dim=(-2, -1)) <= ORTHONORMAL_TOLERANCE)
 
 
 ORTHONORMAL_TOLERANCE = 1e-4  # fp32's CholeskyQR2 leaves ~1e-6 where it holds; bf16 bases keep ~4e-3

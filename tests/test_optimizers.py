@@ -371,11 +371,15 @@ def test_soap_orthonormalizes_a_refreshed_basis_as_householder_qr_does_up_to_sig
     assert q.dtype == moved.dtype and not torch.backends.cuda.matmul.allow_tf32  # as it was
 
 
-def test_soap_orthonormalizes_rank_deficient_statistics_by_householder_qr():
+def test_soap_orthonormalizes_rank_deficient_statistics_by_householder_qr_and_only_them(monkeypatch):
     from optimizers import orthonormal_columns
-    moved = power_iterated(2, 8, torch.Generator().manual_seed(1))
+    moved = power_iterated(3, 8, torch.Generator().manual_seed(1))
     moved[1, :, 5] = 0  # a direction the statistics never saw: no Cholesky factor
-    torch.testing.assert_close(orthonormal_columns(moved), torch.linalg.qr(moved)[0], rtol=0, atol=0)
+    householder, batched = torch.linalg.qr(moved)[0], orthonormal_columns(moved)
+    torch.testing.assert_close(batched[1], householder[1], rtol=0, atol=0)
+    monkeypatch.setattr(torch.linalg, "qr", None)  # the others: the batched path alone
+    torch.testing.assert_close(batched[[0, 2]], orthonormal_columns(moved[[0, 2]]), rtol=0, atol=0)
+    assert not torch.equal(batched[[0, 2]], householder[[0, 2]])
 
 
 def test_soap_refreshes_a_wide_sides_bases_by_cholesky_qr2_though_its_statistics_are_rank_deficient(monkeypatch):
