@@ -97,9 +97,9 @@ PROTOCOLS = {
         # d12@P100: 762 steps = 99.9M tokens at lr 1.2e-3, the best of 6e-4 / 1.2e-3 / 1.8e-3 (docs/BENCHMARKS.md).
         reference=reference_schedule(762, 1.2e-3),
         # d12_fast's FineWeb recipe as a fixed schedule (its lr decaying over the whole run, 32 evaluations)
-        # re-sized to 20M tokens: it crosses d12@P100's final loss near 13M.
+        # re-sized to P100's 100M tokens: the reading the public records calibrate (docs/RESULTS.md).
         # d12_nocap's recipe at d12@P100's tokens (3048 steps of 32,768), 32 evaluations: the measured runs.
-        forms={"d12_fast": dict(budget=20_000_000, lr_schedule="trapezoid", val_loss_every=312),
+        forms={"d12_fast": dict(budget=100_000_000, lr_schedule="trapezoid", val_loss_every=52),
                "d12_nocap": dict(batch_size=16, sequence_length=1024, num_iterations=3048, warmup_iters=152,
                                  warmdown_iters=2896, curriculum_iters=608, val_loss_every=94, val_batch_size=16)}),
 }

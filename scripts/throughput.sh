@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tokens/s of models at their FineWeb defaults, the protocol of docs/RESULTS.md's throughput rows: 40 optimizer
-# steps at each model's own batch (its recipe's: one micro-batch of 16x4096 for d12_fast) on the P40 proxy
+# steps at each model's own batch (its recipe's: 12 micro-batches of 8x4096 for d12_fast) on the P40 proxy
 # shards, a fixed schedule of 4 warmup and 4 cooldown steps, one 16k-token evaluation at the end (a recipe's
 # self-sizing schedule and planned evaluations off), no coordinate-descent tuning (a recipe's combo kernels stay),
 # under a GPU memory cap (default 22 GiB: does it fit a 24 GB card?), at the full attention window (a recipe's

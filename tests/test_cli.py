@@ -153,7 +153,7 @@ def test_help_gives_each_model_flag_its_meaning_and_the_chosen_variants_values(c
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert "--n_head N_HEAD attention heads (head_dim = n_embd / n_head) (d12_fast: 6)" in text
     assert "--mlp_act MLP_ACT the MLP's activation: gelu, relu2 (ReLU squared) or swiglu (d12_fast: 'relu2')" in text
-    assert "optimizer steps at most (default: 10000)" in text  # the recipe's, not NoCap's 4768
+    assert "optimizer steps at most (default: 1667)" in text  # the recipe's, not NoCap's 4768
     assert "override the variant" not in text and "(default: None)" not in text
     assert all(f.metadata.get("help") for f in config_fields())
     with pytest.raises(SystemExit):
@@ -163,37 +163,37 @@ def test_help_gives_each_model_flag_its_meaning_and_the_chosen_variants_values(c
 
 
 def test_num_iterations_alone_resizes_the_recipes_step_counted_settings(capsys):
-    fast = train_flags("--model", "d12_fast", "--num_iterations", "1000")  # a tenth of the recipe's 10,000
+    fast = train_flags("--model", "d12_fast", "--num_iterations", "500")  # 30% of the recipe's 1,667
     assert (fast.warmdown_iters, fast.muon_momentum_warmup, fast.window_iters, fast.val_loss_every) == (
-        1000, 150, 656, "auto")  # evaluations planned from the curve already scale with the run
-    assert fast.overtime_steps == 500
-    assert ("notice: --num_iterations 1000 re-sizes d12_fast's schedule of 10000 steps: --warmdown_iters 1000 "
-            "--muon_momentum_warmup 150") in capsys.readouterr().err
-    mine = train_flags("--model", "d12_fast", "--num_iterations=1000", "--window_iter", "100")  # abbreviated
-    assert (mine.window_iters, mine.warmdown_iters) == (100, 1000)  # a flag given wins
+        500, 75, 328, "auto")  # evaluations planned from the curve already scale with the run
+    assert fast.overtime_steps == 250
+    assert ("notice: --num_iterations 500 re-sizes d12_fast's schedule of 1667 steps: --warmdown_iters 500 "
+            "--muon_momentum_warmup 75") in capsys.readouterr().err
+    mine = train_flags("--model", "d12_fast", "--num_iterations=500", "--window_iter", "100")  # abbreviated
+    assert (mine.window_iters, mine.warmdown_iters) == (100, 500)  # a flag given wins
     d12 = train_flags("--num_iterations", "1000")  # NoCap's 256 and 1024 of 4768 steps, and 128 between evaluations
     assert (d12.warmup_iters, d12.warmdown_iters, d12.val_loss_every) == (54, 215, 27)
     capsys.readouterr()
-    same = train_flags("--model", "d12_fast", "--num_iterations", "10000")
-    assert (same.warmdown_iters, same.window_iters) == (10000, 6560) and capsys.readouterr().err == ""
-    checked_flags("--model", "d12_fast", "--num_iterations", "1000")  # the recipe at a tenth of its length is valid
+    same = train_flags("--model", "d12_fast", "--num_iterations", "1667")
+    assert (same.warmdown_iters, same.window_iters) == (1667, 1094) and capsys.readouterr().err == ""
+    checked_flags("--model", "d12_fast", "--num_iterations", "500")  # the recipe at 30% of its length is valid
 
 
 def test_a_batch_other_than_the_recipes_keeps_its_tokens_and_its_schedules_shape(capsys):
-    fast = train_flags("--model", "d12_fast", "--total_batch_size", "393216")  # 6x the recipe's 65,536
+    fast = train_flags("--model", "d12_fast", "--total_batch_size", "65536")  # a sixth of the recipe's 393,216
     assert (fast.num_iterations, fast.warmdown_iters, fast.muon_momentum_warmup, fast.window_iters) == (
-        1667, 1667, 250, 1094)
-    assert ("notice: --total_batch_size 393216 (the recipe's 65536: the same tokens in 1667 steps) re-sizes "
-            "d12_fast's schedule of 10000 steps: --warmdown_iters 1667") in capsys.readouterr().err
+        10002, 10002, 1500, 6564)
+    assert ("notice: --total_batch_size 65536 (the recipe's 393216: the same tokens in 10002 steps) re-sizes "
+            "d12_fast's schedule of 1667 steps: --warmdown_iters 10002") in capsys.readouterr().err
     nocap = train_flags("--model", "d12_nocap", "--total_batch_size", "65536")  # 2.5B tokens either way
     assert (nocap.num_iterations, nocap.warmup_iters, nocap.curriculum_iters, nocap.val_loss_every) == (
         38144, 1907, 7629, 1024)
-    longer = train_flags("--model", "d12_fast", "--total_batch_size", "393216", "--num_iterations", "500")
+    longer = train_flags("--model", "d12_fast", "--total_batch_size", "65536", "--num_iterations", "500")
     assert (longer.num_iterations, longer.window_iters) == (500, 328)  # steps given: the run's fractions
     capsys.readouterr()
-    same = train_flags("--model", "d12_fast", "--total_batch_size", "65536")
+    same = train_flags("--model", "d12_fast", "--total_batch_size", "393216")
     d12 = train_flags("--total_batch_size", "131072")  # NoCap's schedule names no batch of its own
-    assert (same.num_iterations, d12.num_iterations) == (10000, 4768) and capsys.readouterr().err == ""
+    assert (same.num_iterations, d12.num_iterations) == (1667, 4768) and capsys.readouterr().err == ""
 
 
 def test_every_model_field_has_an_override_flag():
@@ -206,13 +206,13 @@ def test_every_model_field_has_an_override_flag():
 def test_a_variants_recipe_sets_flag_defaults_and_explicit_flags_win():
     d12, fast = train_flags(), train_flags("--model", "d12_fast")
     assert (d12.optimizer, d12.learning_rate, d12.total_batch_size) == ("adamw", 0.0018, None)
-    assert (fast.optimizer, fast.total_batch_size, fast.batch_size, fast.lr_floor) == ("muon", 65536, 16, 0.1)
+    assert (fast.optimizer, fast.total_batch_size, fast.batch_size, fast.lr_floor) == ("muon", 393216, 8, 0.1)
     assert (fast.sequence_length, fast.val_row_length, fast.val_batch_size) == (4096, 4096, 16)
     shorter = train_flags("--model", "d12_fast", "--sequence_length", "1024", "--batch_size", "32")
     assert shorter.val_row_length == 1024  # validated on the rows it trains on
     assert (fast.warmdown_iters, fast.num_iterations, fast.normuon_beta2, fast.cautious_weight_decay) == (
-        10000, 10000, 0.95, 1.2)
-    assert (fast.sampled_softmax, d12.sampled_softmax) == (16384, 0)
+        1667, 1667, 0.95, 1.2)
+    assert (fast.sampled_softmax, d12.sampled_softmax, fast.embed_lr, d12.embed_lr) == (16384, 0, 0.6, None)
     assert d12.normuon_beta2 == 0.0
     assert train_flags("--model", "d12_fast", "--batch_size", "16").batch_size == 16
     assert (d12.compile_tuning, fast.compile_tuning) == ("coordinate_descent", "combo_kernels")

@@ -50,27 +50,27 @@ def test_budget_keeps_the_schedules_shape():
     spec, args = trainer_view("P100", "d12 --budget 25M")
     assert spec.steps == 191 == args["num_iterations"]  # 25M / 131,072
     assert (args["warmup_iters"], args["warmdown_iters"], args["val_loss_every"]) == (10, 41, 12)
-    # d12_fast's FineWeb recipe (10,000 steps, cooldown 10,000, momentum warmup 1,500, evaluation every 312) at
-    # a larger batch: the same fractions of a 76-step run.
+    # d12_fast's FineWeb recipe (1,667 steps, cooldown 1,667, momentum warmup 250, P100's evaluation every 52) at
+    # a smaller batch: the same fractions of a 76-step run.
     spec, args = trainer_view("P100", "big:d12_fast --budget 20M --total_batch_size 262144")
     assert (spec.name, spec.steps, spec.tokens_per_step) == ("big", 76, 262_144)
     assert (args["warmdown_iters"], args["muon_momentum_warmup"], args["val_loss_every"]) == (76, 11, 2)
     assert args["optimizer"] == "muon" and args["lr_floor"] == 0.1  # the rest of the recipe stays
     # An evaluation cadence planned from the curve is already a fraction of the run: it stays as given.
     _, args = trainer_view("P100", "d12_fast --budget 40M --target_val_loss 4.9468 --val_loss_every auto")
-    assert (args["val_loss_every"], args["num_iterations"], args["warmdown_iters"]) == ("auto", 610, 610)
+    assert (args["val_loss_every"], args["num_iterations"], args["warmdown_iters"]) == ("auto", 102, 102)
     # no coordinate-descent tuning (compile time only), but a recipe's own tuning stays
     assert (args["compile_tuning"], trainer_view("P100", "d12")[1]["compile_tuning"]) == ("combo_kernels", "none")
 
 
-def test_d12_fasts_p100_form_is_its_recipe_at_20m_tokens():
+def test_d12_fasts_p100_form_is_its_recipe_at_100m_tokens():
     spec, args = trainer_view("P100", "d12_fast")
-    assert (spec.steps, spec.tokens_per_step) == (305, 65_536)
-    assert (args["warmdown_iters"], args["muon_momentum_warmup"], args["val_loss_every"]) == (305, 46, 10)
-    assert args["window_iters"] == 200  # the measured window warmup: 64 -> 256 by 200
+    assert (spec.steps, spec.tokens_per_step) == (254, 393_216)
+    assert (args["warmdown_iters"], args["muon_momentum_warmup"], args["val_loss_every"]) == (254, 38, 8)
+    assert args["window_iters"] == 167  # the window warmup's 65.6% of the run
     assert args["sampled_softmax"] == 16384
     spec, _ = trainer_view("P100", "d12_fast --budget 40M")  # the spec's budget wins over the form's
-    assert spec.steps == 610
+    assert spec.steps == 102
 
 
 def test_d12_nocaps_p100_form_is_the_measured_command_at_d12_at_p100s_tokens():
