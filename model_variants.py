@@ -91,14 +91,6 @@ class GPTConfig:
     # input lets it output nothing (modded-nanogpt's sparse attention gate, 2025-08).
     attn_gate: int = knob(0, "> 0: each head's output is scaled by the sigmoid of a learned projection (from zero) "
                              "of the first this many channels of the block's input (e.g. 12; 0: off)")
-    # Heads that only look one token back are attention spent on what a shift gives: each position's embedding
-    # takes in a gated share of the one before (modded-nanogpt's smear, 2025-09).
-    smear_gate: int = knob(0, "> 0: each position's embedding adds the previous one's, times a learned scalar "
-                              "(from 0) and the sigmoid of a learned projection of its first this many channels")
-    # The final stream still carries what the middle blocks wrote only as context for later ones: before the head,
-    # a learned share of the stream after that block is taken back out (modded-nanogpt's backout, 2025-10).
-    backout: int = knob(0, "> 0: the final stream less a learned multiple (from 0.5) of the stream after the "
-                           "first this many blocks (e.g. 9 of 12; 0: off)")
     # Induction in one layer: a key that also shows the token before its own lets a query find "what followed the
     # last time this came". Offered in the dims rotary turns slowest (modded-nanogpt's partial key offset, 2025-12).
     key_offset: bool = knob(False, "the global layers' keys take the slowest-turning quarter of their rotary pairs "
@@ -112,25 +104,10 @@ class GPTConfig:
     # YaRN stretching the rotary to it as at each doubling (modded-nanogpt validates at ~1.5x its last window).
     eval_window: int = knob(0, "with yarn: the local layers' window when evaluating, a multiple of window (e.g. "
                                "512 for 256; 0: the trained window)")
-    # Two heads that read each other's keys see twice the context for one head's cost in keys: a pair's tokens
-    # interleaved into one row twice as long, rotary turning by that row's positions (modded-nanogpt, 2026-01).
-    paired_heads: str = knob("", "blocks whose attention heads attend in pairs, e.g. 0,2,5,9: heads 2i and 2i+1 "
-                                 "read each other's keys too, causally, over their tokens interleaved")
     # Which token came before is what the first layers must otherwise work out: a table of hashed (previous,
     # current) token pairs gives it to every block's input (modded-nanogpt's bigram hash embedding, 2026-01).
     bigram_table: int = knob(0, "> 0: rows of a table indexed by a hash of each (previous, current) token pair, "
                                 "added to every block's input with a learned gain from 0.1 (e.g. 251520; 0: off)")
-    # A block deep in the stack sees earlier blocks' outputs only as summed into one stream: a per-token mix of
-    # them, weighed by the stream itself, widens that path (MUDDFormer's dynamic dense connections, Xiao et al.
-    # 2025, the residual way; modded-nanogpt's last blocks, 2026-04).
-    dense_inputs: str = knob("", "blocks whose input is a per-token mix of the embedding, every earlier block's "
-                                 "output and the stream, e.g. 10,11: a static mix from the stream alone plus a "
-                                 "small MLP of the stream (from zero)")
-    # One stream makes every block add its output to what the next one reads; several streams, each block reading
-    # a weighed mix and writing back its own mix, let the stack learn other wirings (hyper-connections, Zhu et al.
-    # 2024; partitioned in modded-nanogpt's records, 2026-02).
-    hyper_streams: int = knob(0, ">= 2: that many copies of the residual stream; each block reads and rewrites "
-                                 "them by static weights (from one stream) plus tanh terms of their norms (from zero)")
     # Every elementwise pass over the stream (norms, residual adds, mixes) moves half the bytes. No effect
     # without autocast, so fp32 evaluation is unchanged.
     bf16_residual: bool = knob(False, "the residual stream in autocast's dtype (bf16 in GPU training) instead of "
@@ -150,18 +127,13 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("n_kv_head", "window", "kv_lora_rank", "moe_experts", "mtp_k", "value_embeds", "bigram_table",
-                     "attn_gate", "smear_gate", "backout", "hyper_streams"):
+                     "attn_gate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        for name in ("attn_gate", "smear_gate"):
-            if getattr(self, name) > self.n_embd:
-                raise ValueError(f"{name}={getattr(self, name)} reads more channels than n_embd={self.n_embd}")
+        if self.attn_gate > self.n_embd:
+            raise ValueError(f"attn_gate={self.attn_gate} reads more channels than n_embd={self.n_embd}")
         if not 0 <= self.untie_at < 1:
             raise ValueError(f"untie_at={self.untie_at} is a fraction of the run: pass a number in [0, 1)")
-        if self.hyper_streams == 1:
-            raise ValueError("hyper_streams=1 is the plain stream: pass 0 (off) or 2 or more")
-        if self.backout >= self.n_layer:
-            raise ValueError(f"backout={self.backout} must name a block before the last (n_layer={self.n_layer})")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}; "
                              f"pick n_head from {_divisors(self.n_embd)}")
@@ -177,32 +149,8 @@ class GPTConfig:
         if not self.window_pattern or set(self.window_pattern) - {"L", "G", "S"}:
             raise ValueError(f"window_pattern={self.window_pattern!r} must be made of L, G and S, e.g. LLLG")
 
-    def _check_pairs(self):
-        """paired_heads: blocks that exist and attend, in even numbers of full heads, nothing that reads their
-        heads or positions as one block would."""
-        try:
-            layers = self.paired_layers
-        except ValueError:
-            raise ValueError(f"paired_heads={self.paired_heads!r}: pass block numbers separated by commas, "
-                             "e.g. 0,2,5,9") from None
-        if any(not 0 <= i < self.n_layer or self.layer_kind(i) == "S" for i in layers):
-            raise ValueError(f"paired_heads={self.paired_heads!r}: name attention blocks among 0..{self.n_layer - 1}")
-        if layers and (self.n_head % 2 or self.kv_heads != self.n_head or self.kv_lora_rank or self.doc_mask
-                       or self.key_offset):
-            raise ValueError("paired_heads interleaves pairs of full heads: it needs an even n_head, n_kv_head 0 "
-                             "or n_head, and no kv_lora_rank, doc_mask or key_offset")
-
     def _check_combinations(self):
         """Fields that rule each other out or bound each other."""
-        self._check_pairs()
-        try:
-            dense = self.dense_layers
-        except ValueError:
-            raise ValueError(f"dense_inputs={self.dense_inputs!r}: pass block numbers separated by commas, "
-                             "e.g. 10,11") from None
-        if any(not 1 <= i < self.n_layer for i in dense):
-            raise ValueError(f"dense_inputs={self.dense_inputs!r}: name blocks among 1..{self.n_layer - 1} (block 0 "
-                             "has only the embedding before it)")
         if self.yarn and (self.kv_lora_rank or "L" not in self.window_pattern or not self.window):
             raise ValueError("yarn re-tunes the local layers' per-head rotary: it needs a window, L in window_pattern "
                              "and no kv_lora_rank")
@@ -282,16 +230,6 @@ class GPTConfig:
         if layer >= self.n_layer - self.value_embeds:
             return layer - (self.n_layer - self.value_embeds)
         return None
-
-    @property
-    def paired_layers(self) -> frozenset:
-        """The blocks of paired_heads."""
-        return frozenset(int(i) for i in self.paired_heads.split(",")) if self.paired_heads else frozenset()
-
-    @property
-    def dense_layers(self) -> frozenset:
-        """The blocks of dense_inputs."""
-        return frozenset(int(i) for i in self.dense_inputs.split(",")) if self.dense_inputs else frozenset()
 
     def layer_kind(self, layer: int) -> str:
         """A block's token mixer: "L" local attention, "G" global attention, "S" the spectral mixer."""
@@ -402,6 +340,12 @@ RECIPES: dict[str, dict] = {
     "d12_nocap": dict(total_batch_size=32768, num_iterations=76288, learning_rate=8e-4, warmup_iters=3814,
                       warmdown_iters=72474, curriculum_iters=15258, val_loss_every=2048),
 }
+
+
+# Fields that left GPTConfig (parts measured flat on P100; docs/RESULTS.md names the commit that has each), with the
+# value that meant "off": a checkpoint written before holds them, and loads where they are off.
+REMOVED_FIELDS = {"value_embed_gate": 0, "smear_gate": 0, "backout": 0, "paired_heads": "", "dense_inputs": "",
+                  "hyper_streams": 0}
 
 
 def get_variant(name: str) -> GPTConfig:

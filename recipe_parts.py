@@ -1,10 +1,9 @@
-"""The tensor math of parts the public speedrun records proved on FineWeb and no recipe here uses yet, each
-behind its GPTConfig knob (the trainer's model wires them in; each is judged on P100 by docs/BENCHMARKS.md's rule):
+"""The tensor math of parts the public speedrun records proved on FineWeb, each behind its GPTConfig knob (the
+trainer's model wires them in; each is judged on P100 by docs/BENCHMARKS.md's rule):
 
     yarn_rotary    local layers' rotary speeds and logit scale as their window widens (yarn)
-    pair_heads     two heads' tokens interleaved into one row twice as long, and back (paired_heads)
     offset_keys    keys whose slowest rotary pairs show the previous position (key_offset)
-    bigram_rows    the hashed (previous, current) token pair that picks a bigram table's row (bigram_table)
+    bigram_rows    the hashed (previous, current) token pair that picks a bigram table's row (bigram_table: d12_fast)
 
 A part joins a recipe when its calibrated 100M reading pays for its step time, and leaves the code when it does not.
 """
@@ -27,19 +26,6 @@ def yarn_rotary(inv_freq: torch.Tensor, stages: tuple[int, ...], alpha: float = 
         inv_freq = inv_freq * (old / new + kept * (1 - old / new))
         scale *= 1 + 0.2 * math.log(new / old)
     return inv_freq, scale
-
-
-def pair_heads(t: torch.Tensor) -> torch.Tensor:
-    """(B, T, H, D) -> (B, 2T, H/2, D): heads 2i and 2i+1 as one head whose row holds their tokens interleaved,
-    (t, 2i) at position 2t and (t, 2i+1) at 2t + 1 (GPTConfig.paired_heads)."""
-    B, T, H, D = t.shape
-    return t.view(B, T, H // 2, 2, D).transpose(2, 3).reshape(B, 2 * T, H // 2, D)
-
-
-def unpair_heads(y: torch.Tensor) -> torch.Tensor:
-    """pair_heads undone on attention's output: (B, H/2, 2T, D) -> (B, H, T, D)."""
-    B, pairs, T2, D = y.shape
-    return y.view(B, pairs, T2 // 2, 2, D).transpose(2, 3).reshape(B, 2 * pairs, T2 // 2, D)
 
 
 def offset_keys(k: torch.Tensor) -> torch.Tensor:

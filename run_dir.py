@@ -20,6 +20,7 @@ import time
 import torch
 
 from common import InputError, WriteFailed, need_package, notice
+from model_variants import REMOVED_FIELDS
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -295,6 +296,15 @@ def differences(have: dict, want: dict, limit: int = 6) -> str:
     return "; ".join(changed[:limit]) + more
 
 
+def current_model_config(saved: dict, path: str, flag: str) -> dict:
+    """A checkpoint's model config less the fields GPTConfig no longer has, each of which it may hold only off."""
+    for name, off in REMOVED_FIELDS.items():
+        if saved.get(name, off) != off:
+            raise InputError(f"{flag}: {path} was trained with {name}={saved[name]!r}, which this trainer no longer "
+                             "has; use the commit that wrote it (config.json's git_sha)")
+    return {name: value for name, value in saved.items() if name not in REMOVED_FIELDS}
+
+
 def load_checkpoint(path: str, expected: dict, flag: str = "--resume") -> dict:
     """Load a checkpoint (weights_only: no code from the file runs), check it against the digest it carries,
     and check it fits this run. `flag` names the flag that gave the path, for the error line."""
@@ -314,6 +324,8 @@ def load_checkpoint(path: str, expected: dict, flag: str = "--resume") -> dict:
     if ckpt.pop("digest", None) != state_digest(ckpt):
         raise InputError(f"{flag}: {path} does not match the digest it carries: the file is damaged (a run keeps "
                          "only its newest checkpoint; remove it, and --resume auto starts the run over)")
+    if "model_config" in ckpt:
+        ckpt["model_config"] = current_model_config(ckpt["model_config"], path, flag)
     for key, want in expected.items():
         have = ckpt.get(key)
         if have != want:

@@ -42,7 +42,7 @@ try:  # a few seconds of loading torch: Ctrl-C there is a stop, not a traceback 
     from optimizers import MUON_MOMENTUM, SOAP, BatchedMuon, Lion, Optimizers
     from plan_ideas import (SpectralMixer, blocks_to_drop, consistency_objective, tokens_to_keep,
                             with_tokens_dropped)
-    from recipe_parts import bigram_rows, offset_keys, pair_heads, unpair_heads, yarn_rotary
+    from recipe_parts import bigram_rows, offset_keys, yarn_rotary
     from run_dir import (CHECKPOINT_FORMAT, RunDirClaim, RunLog, all_finite, atomic_write, check_run_dir,
                          format_summary, git_sha, list_checkpoints, load_checkpoint, read_metrics, repair_run_dir,
                          resolve_checkpoint_path, run_dir_path, state_digest)
@@ -169,20 +169,18 @@ def rms_norm(x: torch.Tensor) -> torch.Tensor:
 class Rotary(nn.Module):
     """cos/sin tables for rotary embedding, computed once for block_size positions. Kept as buffers,
     not recomputed per forward: inside a compiled graph inductor would otherwise fuse the cos/sin
-    math into every rotary kernel of every layer (a quarter of d12's step time). yarn_stages: for each local
-    window warmup (GPTConfig.yarn), the windows it widens through, each with YaRN's tables and logit scale."""
+    math into every rotary kernel of every layer (a quarter of d12's step time). yarn_stages: the windows the
+    local layers widen through (GPTConfig.yarn), each with YaRN's tables and logit scale."""
 
-    def __init__(self, rotary_dim: int, block_size: int, base: float = 10000.0,
-                 yarn_stages: tuple[tuple[int, ...], ...] = ()):
+    def __init__(self, rotary_dim: int, block_size: int, base: float = 10000.0, yarn_stages: tuple[int, ...] = ()):
         super().__init__()
         # fp32 throughout, exactly as NoCap builds its tables.
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
         self.register_tables("", inv_freq, block_size)
         self.yarn_scales = {}
-        for stages in yarn_stages:
-            for i, window in enumerate(stages):
-                freq, self.yarn_scales[stages[0], window] = yarn_rotary(inv_freq, stages[:i + 1])
-                self.register_tables(f"_{stages[0]}_{window}", freq, block_size)
+        for i, window in enumerate(yarn_stages):
+            freq, self.yarn_scales[window] = yarn_rotary(inv_freq, yarn_stages[:i + 1])
+            self.register_tables(f"_{window}", freq, block_size)
 
     def register_tables(self, suffix: str, inv_freq: torch.Tensor, block_size: int):
         freqs = torch.outer(torch.arange(block_size).float(), inv_freq)  # (block_size, rotary_dim/2)
@@ -193,11 +191,10 @@ class Rotary(nn.Module):
         """fp32 (1, T, 1, rotary_dim/2) tables for positions 0..T-1, broadcast over batch and heads."""
         return self.cos[None, :T, None, :], self.sin[None, :T, None, :]
 
-    def yarn(self, T: int, first: int, window: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """YaRN's tables (as forward's) and logit scale for a local layer whose window warmup began at `first`
-        and is at `window` now."""
-        cos, sin = getattr(self, f"cos_{first}_{window}"), getattr(self, f"sin_{first}_{window}")
-        return cos[None, :T, None, :], sin[None, :T, None, :], self.yarn_scales[first, window]
+    def yarn(self, T: int, window: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """YaRN's tables (as forward's) and logit scale for a local layer whose window is at `window` now."""
+        cos, sin = getattr(self, f"cos_{window}"), getattr(self, f"sin_{window}")
+        return cos[None, :T, None, :], sin[None, :T, None, :], self.yarn_scales[window]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -239,11 +236,11 @@ class Masking:
     """What limits attention in one forward pass besides causality and each layer's own window: the local window
     (the window warmup's in training, eval_window's in evaluation; 0: the model's), each token's document number
     (doc_mask; None: rows are one stream), FlexAttention's block mask for each window in use (flex only), and under
-    YaRN the local layers' rotary tables and logit scale at this window, by whether a layer's heads are paired."""
+    YaRN the local layers' rotary tables and logit scale at this window."""
     local_window: int = 0
     docs: torch.Tensor | None = None
     block_masks: dict | None = None
-    local_rotary: dict | None = None
+    local_rotary: tuple | None = None
 
     def window(self, layer_window: int) -> int:
         return self.local_window if layer_window and self.local_window else layer_window
@@ -345,7 +342,6 @@ class Attention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
         self.config, self.layer, self.window = config, layer, config.layer_window(layer)
-        self.paired = layer in config.paired_layers  # q, k, v come in pair_heads' layout
         # The attention gate (GPTConfig.attn_gate): per head, from the first attn_gate channels of the input.
         self.gate = nn.Linear(config.attn_gate, config.n_head, bias=False) if config.attn_gate else None
         if self.gate is not None:
@@ -356,12 +352,8 @@ class Attention(nn.Module):
         (normed) input, which the attention gate reads."""
         c, masking = self.config, masking or Masking()
         window = masking.window(self.window)
-        if self.paired:  # a pair's rows are twice as long: so are its window and its (cached) block mask
-            y = unpair_heads(causal_attention(q, k, v, c.attn_impl, 2 * window, None, c.chunked_windows,
-                                              None, c.fused_kernels))
-        else:
-            y = causal_attention(q, k, v, c.attn_impl, window, masking.block_masks and masking.block_masks[window],
-                                 c.chunked_windows, masking.docs, c.fused_kernels)
+        y = causal_attention(q, k, v, c.attn_impl, window, masking.block_masks and masking.block_masks[window],
+                             c.chunked_windows, masking.docs, c.fused_kernels)
         B, _, T, _ = y.shape
         y = y.transpose(1, 2)  # (B, T, n_head, head_dim)
         if self.gate is not None:
@@ -395,13 +387,10 @@ class CausalSelfAttention(Attention):
         k = k.view(B, T, c.kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = rms_norm(q), rms_norm(k)
-        if self.paired:  # rotary turns by the interleaved row's positions
-            q, k = pair_heads(q), pair_heads(k)
         logit_scale = 1.0
         if c.yarn and self.window:  # a local layer: YaRN's tables at this pass's window
-            cos, sin, logit_scale = masking.local_rotary[self.paired]
-        n = q.size(1)
-        q, k = apply_rotary(q, cos[:, :n], sin[:, :n]), apply_rotary(k, cos[:, :n], sin[:, :n])
+            cos, sin, logit_scale = masking.local_rotary
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if logit_scale != 1.0:
             q = q * logit_scale
         if c.key_offset and self.window == 0:
@@ -411,9 +400,7 @@ class CausalSelfAttention(Attention):
             v = self.v_mix[0] * v + self.v_mix[1] * v0
         if self.ve_mix is not None:
             v = self.ve_mix[0] * v + self.ve_mix[1] * ve.view_as(v).to(v.dtype)  # the table is fp32 under autocast
-        values = v
-        v = pair_heads(v) if self.paired else v
-        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking, x), values
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masking, x), v
 
 
 class LatentAttention(Attention):
@@ -600,61 +587,6 @@ class Block(nn.Module):
         return x + self.mlp(rms_norm(x)), values, None
 
 
-class DenseMix(nn.Module):
-    """A dense block input (GPTConfig.dense_inputs): a per-token mix of the embedding, every earlier block's output
-    and the stream that reaches the block, weighed by a static mix that starts at the stream alone plus a small MLP
-    of the stream's norm that starts at zero (MUDDFormer's dynamic dense connection, the residual way)."""
-
-    def __init__(self, n_embd: int, sources: int):
-        super().__init__()
-        self.w_in = nn.Linear(n_embd, 4 * sources, bias=False)
-        self.w_out = nn.Linear(4 * sources, sources, bias=False)
-        nn.init.zeros_(self.w_out.weight)
-        self.static = nn.Parameter(F.one_hot(torch.tensor(sources - 1), sources).float())
-
-    def forward(self, x: torch.Tensor, earlier: list[torch.Tensor]) -> torch.Tensor:
-        weights = self.static + self.w_out(F.gelu(self.w_in(rms_norm(x))))  # (B, T, sources)
-        return sum(weights[..., s, None] * h for s, h in enumerate((*earlier, x))).to(x.dtype)
-
-
-class HyperConnections(nn.Module):
-    """How block `layer` reads and rewrites n copies of the stream H (GPTConfig.hyper_streams; dynamic
-    hyper-connections, Zhu et al. 2024): it reads h = sum_j read_j H_j and writes H'_k = sum_j keep_jk H_j +
-    write_k (block(h) - h). Each weight is a static one plus a learned scale times the tanh of a projection of its
-    stream's norm (read_j and the row keep_j of stream j, write_k of stream k). The static weights start at one
-    stream read (layer mod n), every stream kept, the block's update added to all; the projections at zero."""
-
-    def __init__(self, n_embd: int, streams: int, layer: int):
-        super().__init__()
-        self.read_static = nn.Parameter(F.one_hot(torch.tensor(layer % streams), streams).float())
-        self.keep_static = nn.Parameter(torch.eye(streams).flatten())  # flat: a vector, trained without decay
-        self.write_static = nn.Parameter(torch.ones(streams))
-        self.project = nn.Linear(n_embd, streams + 2, bias=False)  # per stream: read, keep row, write
-        nn.init.zeros_(self.project.weight)
-        self.scales = nn.Parameter(torch.full((2,), 0.01))  # of the read and keep terms, of the write term
-
-    def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams (n, B, T, C) -> read (n, B, T), keep (n, B, T, n), write (n, B, T), in the streams' dtype."""
-        n = streams.size(0)
-        g = torch.tanh(self.project(rms_norm(streams)))
-        read = self.read_static[:, None, None] + self.scales[0] * g[..., 0]
-        keep = self.keep_static.view(n, 1, 1, n) + self.scales[0] * g[..., 1:n + 1]
-        write = self.write_static[:, None, None] + self.scales[1] * g[..., n + 1]
-        return read.to(streams.dtype), keep.to(streams.dtype), write.to(streams.dtype)
-
-    @staticmethod
-    def read(streams: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
-        return (read[..., None] * streams).sum(0)
-
-    @staticmethod
-    def write(streams: torch.Tensor, weights, out: torch.Tensor) -> torch.Tensor:
-        """H' from H and the block's output. The update out - h is folded into the weights on H (keep_jk -
-        read_j write_k), so that the block's input is never subtracted back off its output."""
-        read, keep, write = weights
-        mix = keep - read[..., None] * write.permute(1, 2, 0)  # (j, B, T, k)
-        return (mix.movedim(-1, 0)[..., None] * streams).sum(1) + write[..., None] * out
-
-
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of logits (..., vocab) against targets (...), -1 ignored."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
@@ -732,25 +664,14 @@ class GPT(nn.Module):
         # targets are only ever targets, so nothing from the future reaches the next-token prediction.
         self.mtp_proj = nn.ModuleList([nn.Linear(config.n_embd, config.n_embd, bias=False)
                                        for _ in range(config.mtp_k)])
-        self.rotary = Rotary(config.rotary_dim, config.block_size * (2 if config.paired_layers else 1),
-                             yarn_stages=tuple(self.yarn_stages(k) for k in self.yarn_widths))
+        self.rotary = Rotary(config.rotary_dim, config.block_size,
+                             yarn_stages=self.yarn_stages() if config.yarn else ())
         # Bigram table: row bigram_rows(previous, current) joins block i's input times bigram_gains[i]. Made last,
         # so that the other weights draw the same initial values with it or without it; it starts at zero.
         self.bigram_embed = nn.Embedding(config.bigram_table, config.n_embd) if config.bigram_table else None
         self.bigram_gains = nn.Parameter(torch.full((config.n_layer,), 0.1)) if config.bigram_table else None
         if config.bigram_table:
             nn.init.zeros_(self.bigram_embed.weight)
-        # Smear (GPTConfig.smear_gate): gate and gain from zero, the embedding as it was. Backout (GPTConfig.backout):
-        # its gain from 0.5. Made last too.
-        self.smear = nn.Linear(config.smear_gate, 1, bias=False) if config.smear_gate else None
-        self.smear_gain = nn.Parameter(torch.zeros(())) if config.smear_gate else None
-        if config.smear_gate:
-            nn.init.zeros_(self.smear.weight)
-        self.backout_gain = nn.Parameter(torch.tensor(0.5)) if config.backout else None
-        # Dense block inputs (GPTConfig.dense_inputs): block i mixes i + 1 sources. Made last as well.
-        self.dense = nn.ModuleDict({str(i): DenseMix(config.n_embd, i + 1) for i in sorted(config.dense_layers)})
-        self.hyper = nn.ModuleList([HyperConnections(config.n_embd, config.hyper_streams, i)
-                                    for i in range(config.n_layer if config.hyper_streams else 0)])
         if config.zero_init_proj:
             for block in self.transformer.h:
                 nn.init.zeros_(block.attn.c_proj.weight)
@@ -853,7 +774,7 @@ class GPT(nn.Module):
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size {self.config.block_size}")
-        cos, sin = self.rotary(T * (2 if self.config.paired_layers else 1))  # paired heads' rows are twice as long
+        cos, sin = self.rotary(T)
         x = self.embed(idx)
         if token_keep is not None:
             x, idx = with_tokens_dropped(x, idx, token_keep, self.embed, self.config.doc_token)
@@ -876,30 +797,19 @@ class GPT(nn.Module):
         if c.attn_impl == "flex":  # one mask per distinct window (local and global layers)
             windows = sorted({masking.window(c.layer_window(i)) for i in range(c.n_layer) if c.layer_kind(i) != "S"})
             masking.block_masks = flex_block_masks(idx.size(1), windows, idx.device, c.chunked_windows, masking.docs)
-        if c.yarn:  # a paired layer's window and warmup are twice as wide (its rows are twice as long)
-            rows, window = idx.size(1) * max(self.yarn_widths), masking.window(c.window)
-            masking.local_rotary = {k == 2: self.rotary.yarn(rows, self.yarn_stages(k)[0], window * k)
-                                    for k in self.yarn_widths}
+        if c.yarn:
+            masking.local_rotary = self.rotary.yarn(idx.size(1), masking.window(c.window))
         return masking
 
-    @property
-    def yarn_widths(self) -> tuple[int, ...]:
-        """Under YaRN, the local windows' multiples that need tables: 1, and 2 for paired heads."""
-        return ((1, 2) if self.config.paired_layers else (1,)) if self.config.yarn else ()
-
-    def yarn_stages(self, k: int) -> tuple[int, ...]:
-        """The windows a local layer k times as wide widens through: the warmup's, then evaluation's (eval_window)."""
+    def yarn_stages(self) -> tuple[int, ...]:
+        """The windows a local layer widens through: the warmup's, then evaluation's (eval_window)."""
         c = self.config
-        return (*doubling_stages(c.window * k), *((c.eval_window * k,) if c.eval_window else ()))
+        return (*doubling_stages(c.window), *((c.eval_window,) if c.eval_window else ()))
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """The stream's start (B, T, n_embd): the token embeddings (each with a gated share of the one before, under
-        smear_gate), normed where asked."""
+        """The stream's start (B, T, n_embd): the token embeddings, normed where asked."""
         tied = self.config.untie_at and not self.untied  # the separate table unused yet
         x = F.embedding(idx, self.lm_head.weight) if tied else self.transformer.wte(idx)
-        if self.smear is not None:
-            share = self.smear_gain * torch.sigmoid(self.smear(x[:, 1:, :self.config.smear_gate]))
-            x = torch.cat([x[:, :1], x[:, 1:] + share * x[:, :-1]], dim=1)
         if self.config.embed_norm:
             x = rms_norm(x)
         if self.config.bf16_residual:
@@ -914,26 +824,18 @@ class GPT(nn.Module):
 
     def run_blocks(self, x, idx, cos, sin, masking: Masking, drop_blocks: tuple[int, ...]) -> tuple[torch.Tensor, list]:
         """The blocks over the stream x, with the shortcuts that join them (U-net skips, value residual, value
-        embeddings, the bigram table, the backout, dense inputs); returns the stream and the MoE layers' (balance,
-        load) terms."""
+        embeddings, the bigram table); returns the stream and the MoE layers' (balance, load) terms."""
         c = self.config
         x0, v0, skips, moe_terms = x, None, [], []
-        history = [x]  # the embedding, then each block's output: what a dense input mixes (kept only for one)
-        streams = x.expand(c.hyper_streams, *x.shape) if self.hyper else None  # copies of the embedding
         value_rows = [table(idx) for table in self.value_embeds]  # (B, T, kv width) each
         bigrams = self.bigram_embed(bigram_rows(idx, c.bigram_table)).to(x.dtype) if c.bigram_table else None
         n_skips = c.n_layer // 2 if c.unet_skips else 0
         for i, block in enumerate(self.transformer.h):
-            if streams is not None:
-                weights = self.hyper[i].weights(streams)
-                x = self.hyper[i].read(streams, weights[0])
             mirror = c.n_layer - 1 - i  # the encoder block whose output this decoder block receives
             if mirror < n_skips:
                 x = x + self.skip_weights[mirror] * skips[mirror]
             if bigrams is not None:
                 x = x + self.bigram_gains[i] * bigrams
-            if str(i) in self.dense:
-                x = self.dense[str(i)](x, history[:i])
             table = c.value_embed_table(i)
             ve = value_rows[table] if table is not None else None
             if self.training and i in drop_blocks:
@@ -943,22 +845,12 @@ class GPT(nn.Module):
                                                                    use_reentrant=False)
             else:
                 x, values, moe = block(x, x0, v0, cos, sin, masking, ve)
-            if streams is not None:
-                streams = self.hyper[i].write(streams, weights, x)
             if i == 0 and c.value_residual:
                 v0 = values
             if i < n_skips:
                 skips.append(x)
             if moe is not None:
                 moe_terms.append(moe)
-            if i + 1 == c.backout:
-                kept = x
-            if self.dense:
-                history.append(x)
-        if streams is not None:
-            x = streams.mean(0)
-        if c.backout:
-            x = x - self.backout_gain * kept
         return x, moe_terms
 
     def training_objective(self, h, targets, logits, sampled_softmax: SoftmaxSample | None, moe_terms: list,
@@ -1419,15 +1311,14 @@ def flops_per_token(model: GPT, seq_len: int, sample: torch.Tensor | None = None
     layer, T the range a token attends over: a local layer's window (local_window, the warmup's, if not 0), and
     under doc_mask the mean range within documents over `sample` (rows of seq_len training tokens). head_columns
     other than 0: the head scores that many columns (the sampled softmax's), not the vocabulary. A spectral
-    layer's FFTs (O(log T) per channel) are not counted; a paired layer's queries see both heads' keys: twice T."""
+    layer's FFTs (O(log T) per channel) are not counted."""
     c = model.config
     layers = [layer for layer in range(c.n_layer) if c.layer_kind(layer) != "S"]
     windows = [Masking(local_window).window(c.layer_window(layer)) for layer in layers]
     if c.doc_mask and sample is not None:
         spans = (mean_attention_span(sample, window, c.chunked_windows, c.doc_token) for window in windows)
     else:
-        spans = (min(window or seq_len, seq_len) * (2 if layer in c.paired_layers else 1)
-                 for layer, window in zip(layers, windows))
+        spans = (min(window or seq_len, seq_len) for window in windows)
     head_skipped = c.vocab_size - head_columns if head_columns else 0
     return 6 * (model.matmul_params() - head_skipped * c.n_embd) + 12 * sum(spans) * c.n_embd
 

@@ -7,8 +7,8 @@ import torch
 
 from conftest import read_metrics, tiny_run_args, train_flags
 from model_variants import TINY, with_overrides
-from recipe_parts import bigram_rows, offset_keys, pair_heads, unpair_heads, yarn_rotary
-from train_gpt2 import GPT, Masking, main, make_optimizer, model_from_checkpoint, rms_norm
+from recipe_parts import bigram_rows, offset_keys, yarn_rotary
+from train_gpt2 import GPT, main, make_optimizer, model_from_checkpoint
 
 BIGRAM = with_overrides(TINY, vocab_size=64, bigram_table=97)
 
@@ -50,8 +50,7 @@ def test_a_negative_table_size_is_refused():
 
 def test_a_run_with_the_parts_trains_them_and_its_checkpoint_holds_them(tmp_path, shards, capsys):
     assert main(tiny_run_args(shards, tmp_path, "bg", "--bigram_table", "97", "--attn_gate", "12",
-                              "--smear_gate", "12", "--backout", "1", "--key_offset", "true", "--z_loss", "1e-4",
-                              "--dense_inputs", "1", "--hyper_streams", "2", "--optimizer", "muon", "--window", "16",
+                              "--key_offset", "true", "--z_loss", "1e-4", "--optimizer", "muon", "--window", "16",
                               "--window_pattern", "LG", "--window_kind", "chunked", "--window_iters", "4",
                               "--yarn", "true")) == 0
     losses = [r["train_loss"] for r in read_metrics(tmp_path / "bg") if "train_loss" in r]
@@ -61,8 +60,6 @@ def test_a_run_with_the_parts_trains_them_and_its_checkpoint_holds_them(tmp_path
     assert model.config.yarn and model.config.bigram_table == 97
     assert model.bigram_embed.weight.abs().sum() > 0  # it trained
     assert model.transformer.h[0].attn.gate.weight.abs().sum() > 0
-    assert model.smear_gain != 0 and model.backout_gain != 0.5 and model.dense["1"].w_out.weight.abs().sum() > 0
-    assert model.hyper[1].project.weight.abs().sum() > 0
 
 
 def test_eval_window_scores_a_trained_checkpoint_as_a_run_that_evaluated_at_it(tmp_path, shards, capsys):
@@ -103,109 +100,6 @@ def test_the_attention_gate_starts_at_half_and_lets_each_head_say_nothing():
     torch.testing.assert_close(gated(x, cos, sin)[0], plain(x, cos, sin)[0])
     with pytest.raises(ValueError, match="attn_gate=65 reads more channels than n_embd=64"):
         with_overrides(TINY, attn_gate=65)
-
-
-def test_smear_adds_a_gated_share_of_the_previous_embedding_and_starts_silent():
-    torch.manual_seed(0)
-    model = GPT(with_overrides(TINY, smear_gate=12))
-    idx = torch.randint(0, TINY.vocab_size, (2, 7))
-    tokens = model.transformer.wte(idx)
-    torch.testing.assert_close(model.embed(idx), tokens)  # gain 0: the embedding as it was
-    with torch.no_grad():
-        model.smear_gain.fill_(1.0)  # the gate still at zero: a share of sigmoid(0) = 1/2
-    smeared = model.embed(idx)
-    torch.testing.assert_close(smeared[:, 0], tokens[:, 0])  # nothing before a row's first position
-    torch.testing.assert_close(smeared[:, 1:], tokens[:, 1:] + tokens[:, :-1] / 2)
-
-
-def test_backout_takes_a_share_of_the_stream_after_its_block_out_of_the_final_stream():
-    torch.manual_seed(0)
-    model = GPT(with_overrides(TINY, n_layer=4, backout=2))
-    kept = []
-    model.transformer.h[1].register_forward_hook(lambda module, inputs, output: kept.append(output[0]))
-    x = torch.randn(2, 8, 64)
-    cos, sin = model.rotary(8)
-    out, _ = model.run_blocks(x, torch.zeros(2, 8, dtype=torch.long), cos, sin, Masking(), ())
-    with torch.no_grad():
-        model.backout_gain.zero_()
-    plain, _ = model.run_blocks(x, torch.zeros(2, 8, dtype=torch.long), cos, sin, Masking(), ())
-    torch.testing.assert_close(out, plain - 0.5 * kept[0])  # from 0.5 of the stream after blocks 0 and 1
-    with pytest.raises(ValueError, match="backout=4 must name a block before the last"):
-        with_overrides(TINY, n_layer=4, backout=4)
-
-
-def test_a_dense_input_mixes_the_embedding_and_earlier_outputs_by_weights_the_stream_sets():
-    torch.manual_seed(0)
-    plain = GPT(with_overrides(TINY, n_layer=4))
-    torch.manual_seed(0)
-    model = GPT(with_overrides(TINY, n_layer=4, dense_inputs="2,3"))  # made last: the rest as without them
-    x, idx = torch.randn(2, 8, 64), torch.zeros(2, 8, dtype=torch.long)
-    cos, sin = model.rotary(8)
-    torch.testing.assert_close(model.run_blocks(x, idx, cos, sin, Masking(), ())[0],
-                               plain.run_blocks(x, idx, cos, sin, Masking(), ())[0])  # from the stream alone
-    outputs, inputs = [], []
-    for block in model.transformer.h:
-        block.register_forward_hook(lambda module, args, output: outputs.append(output[0]))
-    model.transformer.h[2].register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
-    mix = model.dense["2"]  # sources: the embedding, block 0's output, the stream after block 1
-    with torch.no_grad():
-        mix.static.copy_(torch.tensor([0.5, -1.0, 2.0]))
-        mix.w_out.weight.normal_()
-    model.run_blocks(x, idx, cos, sin, Masking(), ())
-    stream = outputs[1]
-    dynamic = mix.w_out(torch.nn.functional.gelu(mix.w_in(rms_norm(stream))))
-    weights = mix.static + dynamic  # one set per token
-    assert weights.shape == (2, 8, 3) and weights.std(dim=(0, 1)).min() > 0
-    expected = weights[..., :1] * x + weights[..., 1:2] * outputs[0] + weights[..., 2:] * stream
-    torch.testing.assert_close(inputs[0], expected)
-    model.run_blocks(x, idx, cos, sin, Masking(), ())[0].square().sum().backward()
-    assert mix.w_in.weight.grad.abs().sum() > 0 and model.dense["3"].w_out.weight.grad.abs().sum() > 0
-    for bad, message in (("0", "name blocks among 1..3"), ("4", "name blocks among 1..3"),
-                         ("2;3", "pass block numbers separated by commas")):
-        with pytest.raises(ValueError, match=message):
-            with_overrides(TINY, n_layer=4, dense_inputs=bad)
-
-
-def test_hyper_connections_read_a_weighed_mix_and_write_each_stream_its_own():
-    from train_gpt2 import HyperConnections
-    torch.manual_seed(0)
-    hyper = HyperConnections(16, 3, layer=4)
-    streams = torch.randn(3, 2, 5, 16)
-    with torch.no_grad():
-        hyper.project.weight.normal_()
-        hyper.scales.fill_(0.5)
-    read, keep, write = hyper.weights(streams)
-    h = hyper.read(streams, read)
-    out = 2 * h + 1  # any block: its update out - h
-    new = hyper.write(streams, (read, keep, write), out)
-    for b, t in ((0, 0), (1, 3)):  # the paper's sums, token by token
-        g = torch.tanh(rms_norm(streams[:, b, t]) @ hyper.project.weight.T)  # (stream, read | keep row | write)
-        r, w = hyper.read_static + 0.5 * g[:, 0], hyper.write_static + 0.5 * g[:, 4]
-        k = hyper.keep_static.view(3, 3) + 0.5 * g[:, 1:4]
-        expected_h = sum(r[j] * streams[j, b, t] for j in range(3))
-        torch.testing.assert_close(h[b, t], expected_h)
-        for i in range(3):
-            expected = sum(k[j, i] * streams[j, b, t] for j in range(3)) + w[i] * (out[b, t] - expected_h)
-            torch.testing.assert_close(new[i, b, t], expected)
-    assert hyper.read_static.tolist() == [0, 1, 0]  # block 4 of 3 streams reads stream 1 at first
-
-
-def test_hyper_streams_start_as_the_plain_stream_and_train():
-    torch.manual_seed(0)
-    plain = GPT(with_overrides(TINY, n_layer=3, backout=2))
-    torch.manual_seed(0)
-    model = GPT(with_overrides(TINY, n_layer=3, backout=2, hyper_streams=2))  # made last
-    x, idx = torch.randn(2, 8, 64), torch.zeros(2, 8, dtype=torch.long)
-    cos, sin = model.rotary(8)
-    out = model.run_blocks(x, idx, cos, sin, Masking(), ())[0]
-    torch.testing.assert_close(out, plain.run_blocks(x, idx, cos, sin, Masking(), ())[0], rtol=0, atol=0)
-    out.square().sum().backward()
-    assert all(h.project.weight.grad.abs().sum() > 0 for h in model.hyper)
-    optimizer = make_optimizer(model, train_flags("--optimizer", "muon", "--scalar_lr", "0.5"), torch.device("cpu"))
-    scalars = [p for g in optimizer.optimizers[1].param_groups if g["lr"] == 0.5 for p in g["params"]]
-    assert any(model.hyper[0].keep_static is p for p in scalars)  # no weight decay pulls the identity to zero
-    with pytest.raises(ValueError, match="hyper_streams=1 is the plain stream"):
-        with_overrides(TINY, hyper_streams=1)
 
 
 def test_z_loss_adds_the_mean_square_of_log_z_to_the_training_objective_only():
@@ -345,65 +239,6 @@ def test_the_later_targets_of_a_grouped_sample_are_scored_group_by_group():
     assert objective > loss  # the later target's term on top of the next token's
 
 
-def test_paired_heads_interleave_two_heads_tokens_and_undo_it():
-    t = torch.randn(2, 5, 6, 3)  # (B, T, H, D)
-    paired = pair_heads(t)
-    assert paired.shape == (2, 10, 3, 3)
-    assert torch.equal(paired[:, 2 * 4 + 1, 2], t[:, 4, 5]) and torch.equal(paired[:, 2 * 4, 2], t[:, 4, 4])
-    assert torch.equal(unpair_heads(paired.transpose(1, 2)), t.transpose(1, 2))
-
-
-@pytest.mark.parametrize("impl, window", [("manual", 0), ("sdpa", 0), ("flex", 0), ("sdpa", 4), ("manual", 4)])
-def test_a_paired_layer_attends_over_both_heads_tokens_interleaved(impl, window):
-    # By hand: for heads 2i and 2i+1, one row of 2T tokens, (t, 2i) at 2t and (t, 2i+1) at 2t + 1, rotary by
-    # those positions, causal (within aligned blocks of twice the window), then back to (T, heads).
-    from train_gpt2 import apply_rotary
-    torch.manual_seed(0)
-    config = with_overrides(TINY, paired_heads="0", attn_impl=impl, qk_norm=False, window=window,
-                            window_pattern="L", window_kind="chunked")
-    model = GPT(config)
-    attention, (B, T, H, D) = model.transformer.h[0].attn, (2, 8, config.n_head, config.head_dim)
-    x = torch.randn(B, T, config.n_embd)
-    cos, sin = model.rotary(2 * T)
-    with torch.no_grad():
-        got, _ = attention(x, cos, sin)
-        q, k, v = (t.view(B, T, H, D) for t in attention.c_attn(x).split(config.n_embd, dim=2))
-        outputs = torch.empty(B, T, H, D)
-        positions = torch.arange(2 * T)
-        allowed = positions[:, None] >= positions[None, :]
-        if window:
-            allowed &= positions[:, None] // (2 * window) == positions[None, :] // (2 * window)
-        for pair in range(H // 2):
-            rows = [torch.stack([t[:, s, 2 * pair + member] for s in range(T) for member in (0, 1)], dim=1)
-                    for t in (q, k, v)]  # (B, 2T, D) each
-            q2, k2 = (apply_rotary(r[:, :, None], cos, sin)[:, :, 0] for r in rows[:2])
-            scores = (q2 @ k2.transpose(1, 2) / math.sqrt(D)).masked_fill(~allowed, float("-inf"))
-            y = scores.softmax(-1) @ rows[2]
-            for member in (0, 1):
-                outputs[:, :, 2 * pair + member] = y[:, member::2]
-        expected = attention.c_proj(outputs.reshape(B, T, config.n_embd))
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_paired_heads_are_refused_where_they_cannot_pair():
-    for changes, message in ((dict(paired_heads="0,x"), "pass block numbers separated by commas"),
-                             (dict(paired_heads="2"), "name attention blocks among 0..1"),
-                             (dict(paired_heads="0", n_kv_head=2), "needs an even n_head, n_kv_head 0 or n_head"),
-                             (dict(paired_heads="1", key_offset=True), "no kv_lora_rank, doc_mask or key_offset")):
-        with pytest.raises(ValueError, match=message):
-            with_overrides(TINY, **changes)
-
-
-def test_a_run_with_paired_heads_trains_and_counts_their_longer_rows(shards, tmp_path):
-    from train_gpt2 import flops_per_token
-    plain, paired = GPT(TINY), GPT(with_overrides(TINY, paired_heads="1"))
-    assert flops_per_token(paired, 32) - flops_per_token(plain, 32) == 12 * 32 * TINY.n_embd  # one layer, 2T
-    assert main(tiny_run_args(shards, tmp_path, "paired", "--paired_heads", "0,1")) == 0
-    assert main(tiny_run_args(shards, tmp_path, "plain")) == 0
-    final = [read_metrics(tmp_path / name)[-1]["val_loss"] for name in ("paired", "plain")]
-    assert math.isfinite(final[0]) and final[0] != final[1]
-
-
 def test_yarn_slows_the_pairs_that_turned_less_than_once_keeps_the_fast_and_blends_those_between():
     slow, fast = 1e-4, 2 * math.pi * 40 / 64  # 0.001 and 40 turns across a window of 64
     middle = 2 * math.pi * 16.5 / 64  # 16.5 turns: kept half, so 0.5 + 0.5 * 0.5 of its speed over 64 -> 128
@@ -414,12 +249,9 @@ def test_yarn_slows_the_pairs_that_turned_less_than_once_keeps_the_fast_and_blen
     assert yarn_rotary(torch.tensor([slow]), (64,)) == (torch.tensor([slow]), 1.0)  # the first window: unchanged
 
 
-@pytest.mark.parametrize("paired", ["", "0"])
-def test_yarn_changes_only_the_local_layers_rotary_and_logit_scale_and_nothing_at_the_first_window(
-        monkeypatch, paired):
+def test_yarn_changes_only_the_local_layers_rotary_and_logit_scale_and_nothing_at_the_first_window(monkeypatch):
     import train_gpt2
-    config = with_overrides(TINY, window=16, window_pattern="L", window_kind="chunked", block_size=64,
-                            paired_heads=paired)
+    config = with_overrides(TINY, window=16, window_pattern="L", window_kind="chunked", block_size=64)
     idx = torch.randint(0, config.vocab_size, (2, 64))
 
     def loss(yarn: bool, local_window: int, weights=None):
@@ -443,13 +275,10 @@ def test_yarn_changes_only_the_local_layers_rotary_and_logit_scale_and_nothing_a
     torch.testing.assert_close(loss(True, 16)[0], loss(False, 16, weights)[0])
 
 
-@pytest.mark.parametrize("paired", ["", "0"])
-def test_eval_window_evaluates_a_wider_window_on_yarns_stretched_rotary_and_leaves_training_alone(
-        monkeypatch, paired):
+def test_eval_window_evaluates_a_wider_window_on_yarns_stretched_rotary_and_leaves_training_alone(monkeypatch):
     import train_gpt2
     monkeypatch.setattr(train_gpt2, "yarn_rotary", lambda inv_freq, stages: (inv_freq / len(stages), 1.5))
-    config = with_overrides(TINY, window=16, window_pattern="L", window_kind="chunked", block_size=64,
-                            paired_heads=paired, yarn=True)
+    config = with_overrides(TINY, window=16, window_pattern="L", window_kind="chunked", block_size=64, yarn=True)
     idx = torch.randint(0, config.vocab_size, (2, 64))
 
     def model(**changes):

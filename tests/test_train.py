@@ -508,6 +508,34 @@ def test_a_damaged_copy_of_a_checkpoint_is_refused_by_the_digest_it_carries(tmp_
     assert not (tmp_path / "b").exists()
 
 
+def test_a_checkpoint_holding_a_removed_field_loads_where_it_is_off_and_is_refused_where_on(tmp_path, shards, capsys):
+    from run_dir import state_digest
+    from train_gpt2 import model_from_checkpoint
+    assert main(tiny_run_args(shards, tmp_path, "a", "--num_iterations", "8", "--save_every", "4")) == 0
+    saved = torch.load(next((tmp_path / "a").glob("ckpt_*.pt")), weights_only=True)
+
+    def written_before(**fields):  # the checkpoint as a trainer that still had these fields would have written it
+        ckpt = {k: v for k, v in saved.items() if k != "digest"}
+        ckpt["model_config"] = {**ckpt["model_config"], **fields}
+        path = tmp_path / f"old_{len(fields)}_{sorted(fields.values(), key=str)[-1]}.pt"
+        torch.save({**ckpt, "digest": state_digest(ckpt)}, path)
+        return str(path)
+    off = written_before(smear_gate=0, paired_heads="", hyper_streams=0)
+    model, _ = model_from_checkpoint(off, torch.device("cpu"))
+    assert torch.equal(model.lm_head.weight, saved["model"]["lm_head.weight"])
+    capsys.readouterr()
+    assert main(tiny_run_args(shards, tmp_path, "b", "--num_iterations", "12", "--resume", off)) == 0
+    steps = [r["step"] for r in read_metrics(tmp_path / "b") if "train_loss" in r]
+    assert steps[0] == saved["step"] + 1 and steps[-1] == 12  # continued, not restarted
+    on = written_before(hyper_streams=2)
+    line = error_line(capsys, tiny_run_args(shards, tmp_path, "c", "--num_iterations", "8", "--resume", on))
+    assert line == (f"error: --resume: {on} was trained with hyper_streams=2, which this trainer no longer has; use "
+                    "the commit that wrote it (config.json's git_sha)")
+    with pytest.raises(InputError, match="^--checkpoint: .* was trained with hyper_streams=2"):
+        model_from_checkpoint(on, torch.device("cpu"))
+    assert not (tmp_path / "c").exists()
+
+
 def test_the_digest_covers_every_tensor_byte_and_value_of_a_checkpoint():
     from run_dir import state_digest
     state = dict(model={"w": torch.arange(6.0).reshape(2, 3)}, step=4, rng=torch.tensor([1, 2], dtype=torch.uint8),
