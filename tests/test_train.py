@@ -514,20 +514,19 @@ def test_a_checkpoint_holding_a_removed_field_loads_where_it_is_off_and_is_refus
     assert main(tiny_run_args(shards, tmp_path, "a", "--num_iterations", "8", "--save_every", "4")) == 0
     saved = torch.load(next((tmp_path / "a").glob("ckpt_*.pt")), weights_only=True)
 
-    def written_before(**fields):  # the checkpoint as a trainer that still had these fields would have written it
+    def written_before(name: str, **fields):  # the checkpoint as a trainer that still had these fields wrote it
         ckpt = {k: v for k, v in saved.items() if k != "digest"}
         ckpt["model_config"] = {**ckpt["model_config"], **fields}
-        path = tmp_path / f"old_{len(fields)}_{sorted(fields.values(), key=str)[-1]}.pt"
-        torch.save({**ckpt, "digest": state_digest(ckpt)}, path)
-        return str(path)
-    off = written_before(smear_gate=0, paired_heads="", hyper_streams=0)
+        torch.save({**ckpt, "digest": state_digest(ckpt)}, tmp_path / name)
+        return str(tmp_path / name)
+    off = written_before("off.pt", smear_gate=0, paired_heads="", hyper_streams=0)
     model, _ = model_from_checkpoint(off, torch.device("cpu"))
     assert torch.equal(model.lm_head.weight, saved["model"]["lm_head.weight"])
     capsys.readouterr()
     assert main(tiny_run_args(shards, tmp_path, "b", "--num_iterations", "12", "--resume", off)) == 0
     steps = [r["step"] for r in read_metrics(tmp_path / "b") if "train_loss" in r]
     assert steps[0] == saved["step"] + 1 and steps[-1] == 12  # continued, not restarted
-    on = written_before(hyper_streams=2)
+    on = written_before("on.pt", hyper_streams=2)
     line = error_line(capsys, tiny_run_args(shards, tmp_path, "c", "--num_iterations", "8", "--resume", on))
     assert line == (f"error: --resume: {on} was trained with hyper_streams=2, which this trainer no longer has; use "
                     "the commit that wrote it (config.json's git_sha)")
