@@ -142,8 +142,7 @@ def checks(args) -> list[list[Check]]:
     calibrate = [Check("calibrate", [sys.executable, "scripts/calibrate.py", "run", args.record, "--budget", "2M",
                                      "--data", data, "--work", os.path.join(work, "calibrate")])] \
         if args.record else []
-    profile = [Check("profile --compile", tool(cap, "scripts/profile_model.py", "--model", "d12_fast",
-                                               "--batch_size", "16", "--sequence_length", "4096", "--compile",
+    profile = [Check("profile --compile", tool(cap, "scripts/profile_model.py", "--model", "d12_fast", "--compile",
                                                "--input_bin", os.path.join(data, "mix_train_000001.bin")))]
     # The longest first (a record's compile, then every part's at once, then the two resume runs and the main job),
     # so that --jobs N ends together rather than on one long check started last.

@@ -1,5 +1,6 @@
 """Where does a training step's time go? Times each part of the model over a few training steps.
 
+    python scripts/profile_model.py --model d12_fast --compile
     python scripts/profile_model.py --model d12 --batch_size 16 --sequence_length 1024
     python scripts/profile_model.py --model d12 --input_bin 'data/fineweb10B/fineweb_train_*.bin' --trace d12.json
 
@@ -239,8 +240,8 @@ def format_kernels(kernels: Kernels, device_type: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_flags(p)
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--sequence_length", type=int, default=1024)
+    p.add_argument("--batch_size", type=int, default=None, help="rows per micro-batch (default: the model's recipe's)")
+    p.add_argument("--sequence_length", type=int, default=None, help="tokens per row (default: the model's recipe's)")
     p.add_argument("--grad_accumulation_steps", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (allocator, cuDNN/cuBLAS choices)")
@@ -260,10 +261,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def recipe_shape(args) -> None:
+    """Fills a micro-batch's rows and row length left unset with the model's recipe's: a step profiled as the
+    trainer runs it, at the memory it needs."""
+    recipe = parse_args(["--model", args.model])[1]
+    args.batch_size = args.batch_size or recipe.batch_size
+    args.sequence_length = args.sequence_length or recipe.sequence_length
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
 
     def run() -> int:
+        recipe_shape(args)
         if args.steps < 1 or args.warmup < 0 or args.kernels < 0:
             raise InputError("--steps must be >= 1, --warmup and --kernels >= 0")
         if args.compile and args.warmup < 1:

@@ -191,3 +191,16 @@ def test_a_trace_into_a_missing_folder_is_refused_before_profiling(tmp_path, cap
     assert profile_model.main(["--model", "tiny", "--device", "cpu", "--trace", str(tmp_path / "nope" / "t.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: --trace {tmp_path / 'nope' / 't.json'}: the folder {tmp_path / 'nope'} does not exist"]
+
+
+def test_the_micro_batch_defaults_to_the_recipes():
+    # Profiled at the trainer's shape, so that its memory is the trainer's: d12_fast's 8 rows of 4096 tokens (a
+    # shape that is not its recipe's can exceed a 24 GB card where the recipe does not); flags still win.
+    from model_variants import RECIPES
+    args = profile_model.build_parser().parse_args(["--model", "d12_fast"])
+    profile_model.recipe_shape(args)
+    assert (args.batch_size, args.sequence_length) == (RECIPES["d12_fast"]["batch_size"],
+                                                      RECIPES["d12_fast"]["sequence_length"]) == (8, 4096)
+    args = profile_model.build_parser().parse_args(["--model", "d12_fast", "--batch_size", "2"])
+    profile_model.recipe_shape(args)
+    assert (args.batch_size, args.sequence_length) == (2, 4096)
