@@ -300,7 +300,9 @@ VARIANTS: dict[str, GPTConfig] = {
         block_size=4096,
         # A hashed table of each (previous, current) token pair, added to every block's input (lr: the embed_lr)
         # and a per-head sigmoid gate on each attention output, read from the first 12 channels of its input.
-        bigram_table=251520, attn_gate=12),
+        bigram_table=251520, attn_gate=12,
+        # The global layers' keys show the token before their own in the slowest quarter of their rotary pairs.
+        key_offset=True),
 }
 
 # Training settings a variant brings along: train_gpt2.py takes them as its flag defaults when --model

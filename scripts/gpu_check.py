@@ -14,7 +14,7 @@ the project's own command (the scripts with SETUP=0: the machine is set up, the 
     throughput     throughput.sh for d12_fast and d12
     P100 <model>   proxy.py's P100 form of each recipe, with its FineWeb checks; "P100 soap": d12_nocap with SOAP
                    (its bases refreshed); "P100 parts": d12_fast with every part its recipe leaves off (their GPU
-                   paths: the multi-target head, the untie, the key offset, YaRN, ...)
+                   paths: the multi-target head, the untie, YaRN, ...)
     calibrate      calibrate.py run on a tiny budget (with --record: a folder of modded-nanogpt's records)
     profile        profile_model.py --compile at d12_fast's micro-batch
     torchrun       two processes under torchrun (on a machine with two GPUs)
@@ -46,7 +46,7 @@ from common import ArgumentParser, InputError  # noqa: E402
 # The parts d12_fast's recipe leaves off, all on at once: their GPU paths, at the recipe's micro-batch of 8 rows of
 # 4,096 tokens. A small bigram table keeps them all under a 24 GB card's cap.
 PARTS = ("--later_targets 0.5,0.25 --untie_at 0.5 --document_rows --longest_document 2048 --bigram_table 4096 "
-         "--key_offset true --yarn true --eval_window 512")
+         "--yarn true --eval_window 512")
 PEAK_FILE = "GPU_CHECK_PEAK_FILE"  # where a tool run under the cap writes its peak memory (MiB)
 
 
