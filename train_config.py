@@ -152,10 +152,6 @@ class TrainConfig:
     soap_max_dim: int = flag("optimization", 10000,
                 "--optimizer soap: a matrix side longer than this keeps its axes, Adam along it (SOAP's "
                 "max_precond_dim): no statistics or basis of that size, each a product and a QR of it")
-    soap_per_map: bool = flag("optimization", False,
-                "--optimizer soap: precondition each map of a fused projection as a matrix of its own (q, k and v "
-                "of one size; a gated MLP's gate and up): bases of 768 and 2048 rows for d12's 2304 and 4096",
-                action="store_true")
     soap_bases: str = flag("optimization", "bf16",
                 "--optimizer soap: the eigenbases' precision, and so the step's products' (into the bases, out, the "
                 "statistics): bf16 (twice TF32's rate on Hopper; moments, statistics and each refresh stay fp32; "

@@ -1236,7 +1236,9 @@ def make_optimizer(model: GPT, flags: TrainConfig, device: torch.device, compile
               dict(params=scalars, lr=flags.learning_rate if flags.scalar_lr is None else flags.scalar_lr,
                    weight_decay=0.0)]
     if flags.optimizer == "soap":
-        grids = fused_maps(model) if flags.soap_per_map else {}
+        # Each map of a fused projection its own matrix (q, k, v; gate, up): bases of 768 and 2048 rows, not 2304
+        # and 4096, fewer flops a refresh, and a lower loss than one basis across maps that learn apart.
+        grids = fused_maps(model)
         by_grid = {grid: [p for p in hidden if grids.get(id(p), (1, 1)) == grid] for grid in {(1, 1), *grids.values()}}
         matrices = SOAP([dict(params=params, pieces=grid) for grid, params in by_grid.items() if params],
                         lr=flags.soap_lr, weight_decay=flags.weight_decay,
@@ -1654,7 +1656,11 @@ def resume_from(path: str, run: Run) -> list[dict]:
     run.resume_changes = resumed_flags(ckpt, path, run.flags, run.train_loader.fingerprint())
     run.raw_model.load_state_dict(ckpt["model"])
     run.raw_model.untied = ckpt["step"] > untie_step(run.config, run.flags.num_iterations)
-    run.optimizer.load_state_dict(ckpt["optimizer"])
+    try:
+        run.optimizer.load_state_dict(ckpt["optimizer"])
+    except ValueError as e:  # torch's word when the saved parameter groups are not this optimizer's
+        raise InputError(f"--resume: {path} holds optimizer state grouped otherwise than this run's optimizer ({e}); "
+                         "use the commit that wrote it (config.json's git_sha)") from None
     torch.set_rng_state(ckpt["rng_cpu"])
     if run.env.device.type == "cuda" and ckpt["rng_cuda"] is not None:
         torch.cuda.set_rng_state(ckpt["rng_cuda"], run.env.device)

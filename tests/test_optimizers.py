@@ -525,11 +525,11 @@ def test_soap_multiplies_in_tf32_inside_its_step_only(monkeypatch):
 
 
 @pytest.mark.parametrize("kv_heads", [4, 1])
-def test_soap_per_map_preconditions_q_k_v_and_the_gate_and_up_projections_each_on_its_own(kv_heads):
+def test_soap_preconditions_q_k_v_and_the_gate_and_up_projections_each_on_its_own(kv_heads):
     from model_variants import TINY, with_overrides
     from train_gpt2 import GPT, make_optimizer
     model = GPT(with_overrides(TINY, vocab_size=64, mlp_act="swiglu", n_kv_head=kv_heads))  # 4 heads: MHA, MQA
-    flags = train_flags("--optimizer", "soap", "--soap_per_map")
+    flags = train_flags("--optimizer", "soap")
     soap = make_optimizer(model, flags, torch.device("cpu")).optimizers[0]
     grids = {id(p): group["pieces"] for group in soap.param_groups for p in group["params"]}
     for block in model.transformer.h:
@@ -546,9 +546,10 @@ def test_soap_takes_the_hidden_matrices_and_adamw_the_rest():
     soap, adamw = make_optimizer(model, train_flags("--optimizer", "soap", "--soap_lr", "0.004", "--scalar_lr",
                                                     "0.04", "--soap_update_every", "5", "--soap_max_dim", "96"),
                                  torch.device("cpu")).optimizers
-    assert isinstance(soap, SOAP) and soap.param_groups[0]["precondition_frequency"] == 5
-    assert soap.param_groups[0]["max_dim"] == 96 and soap.param_groups[0]["pieces"] == (1, 1)
-    assert soap.param_groups[0]["basis_dtype"] == torch.bfloat16  # by default
+    assert isinstance(soap, SOAP)
+    for group in soap.param_groups:  # a group per grid of maps (the next test)
+        assert (group["precondition_frequency"], group["max_dim"], group["lr"]) == (5, 96, 0.004)
+        assert group["basis_dtype"] == torch.bfloat16  # by default
     blocks = {id(m.weight) for m in model.transformer.h.modules() if isinstance(m, torch.nn.Linear)}
-    assert {id(p) for p in soap.param_groups[0]["params"]} == blocks and soap.param_groups[0]["lr"] == 0.004
+    assert {id(p) for group in soap.param_groups for p in group["params"]} == blocks
     assert {g["lr"] for g in adamw.param_groups} == {0.0018, 0.04}  # the head at --learning_rate, the gains' own

@@ -78,6 +78,24 @@ def test_another_optimizer_is_refused_in_one_line(tmp_path, shards, capsys, monk
                                  "a new run\n")
 
 
+def test_optimizer_state_grouped_otherwise_is_refused_in_one_line(tmp_path, shards, capsys, monkeypatch):
+    # SOAP's state as a trainer that kept each fused projection as one matrix wrote it: one group, not one per grid.
+    import train_gpt2
+    with monkeypatch.context() as patch:
+        patch.setattr(train_gpt2, "fused_maps", lambda model: {})
+        patch.setattr(train_gpt2.os, "remove", lambda path: None)  # the step-4 checkpoint stays
+        assert run(capsys, shards, tmp_path, "run", "--num_iterations", "8", "--save_every", "4",
+                   "--optimizer", "soap")[0] == 0
+    for leftover in ("summary.json", "run.lock"):
+        (tmp_path / "run" / leftover).unlink()
+    code, _, err = run(capsys, shards, tmp_path, "run", "--num_iterations", "8", "--optimizer", "soap",
+                       "--resume", str(tmp_path / "run" / "ckpt_000004.pt"))
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: --resume: {tmp_path / 'run' / 'ckpt_000004.pt'} holds optimizer state grouped "
+                          "otherwise than this run's optimizer (") and "use the commit that wrote it" in err
+    assert (tmp_path / "run" / "ckpt_000004.pt").exists()  # nothing lost
+
+
 def test_other_training_shards_are_refused_unless_asked_for(tmp_path, shards, capsys, monkeypatch):
     fewer = (shards[0].replace("*", "000001"), shards[1])
     four_steps_then_resume(capsys, monkeypatch, shards, tmp_path, "run", "--num_iterations", "4")  # done at 4
