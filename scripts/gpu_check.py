@@ -12,9 +12,9 @@ the project's own command (the scripts with SETUP=0: the machine is set up, the 
     resume         the main job stopped by SIGTERM after a few steps, then --resume auto to its end
     baseline       baseline.sh's trainer line (d12, NoCap's flags, self-sized)
     throughput     throughput.sh for d12_fast and d12
-    P100 <model>   proxy.py's P100 form of each recipe, with its FineWeb checks; "P100 soap": d12_nocap with SOAP
-                   (its bases refreshed); "P100 parts": d12_fast with every part its recipe leaves off (their GPU
-                   paths: the multi-target head, the untie, YaRN, ...)
+    nocap job      train.sh --model d12_nocap: SOAP (its bases refreshed), the curriculum, self-sized, as the main job
+    P100 <model>   proxy.py's P100 form of each recipe, with its FineWeb checks; "P100 parts": d12_fast with every
+                   part its recipe leaves off (their GPU paths: the multi-target head, the untie, YaRN, ...)
     calibrate      calibrate.py run on a tiny budget (with --record: a folder of modded-nanogpt's records)
     profile        profile_model.py --compile at d12_fast's micro-batch
     torchrun       two processes under torchrun (on a machine with two GPUs)
@@ -125,6 +125,10 @@ def checks(args) -> list[list[Check]]:
         Check("resume: --resume auto", main_job(data, work, "resumed", cap, "--resume", "auto"),
               [os.path.join(work, "resumed")]),
     ]
+    # d12_nocap's own job, 48 steps re-sized from its recipe (warmup 1, curriculum 4): bases refreshed 5 times.
+    nocap = [Check("nocap job", ["bash", "scripts/train.sh", "--model", "d12_nocap", *trainer_data(data),
+                                 "--output_dir", work, "--run_name", "nocap", "--memory_cap_gib", str(cap),
+                                 "--num_iterations", "48", "--val_tokens", "262144"], [os.path.join(work, "nocap")])]
     baseline = [Check("baseline", ["bash", "scripts/baseline.sh", *trainer_data(data), "--output_dir", work,
                                    "--run_name", "baseline", "--memory_cap_gib", str(cap), "--num_iterations", "12",
                                    "--warmup_iters", "2", "--warmdown_iters", "4", "--overtime_steps", "4"],
@@ -135,8 +139,7 @@ def checks(args) -> list[list[Check]]:
                                        "--data", data, "--work", os.path.join(work, "p100", name),
                                        "--flags", f"--memory_cap_gib {cap}"),
                   [os.path.join(work, "p100", name, "runs", name)])
-            for name, spec in (*((model, model) for model in ("d12", "d12_fast", "d12_nocap")),
-                               ("soap", "soap:d12_nocap --optimizer soap"),  # a refresh every 10 of its 61 steps
+            for name, spec in (*((model, model) for model in ("d12", "d12_fast", "d12_nocap")),  # a refresh every 10
                                ("parts", f"parts:d12_fast {PARTS}"))]
     # The record runs under torchrun, uncapped: its code is the record's own, not the project's.
     calibrate = [Check("calibrate", [sys.executable, "scripts/calibrate.py", "run", args.record, "--budget", "2M",
@@ -146,7 +149,7 @@ def checks(args) -> list[list[Check]]:
                                                "--input_bin", os.path.join(data, "mix_train_000001.bin")))]
     # The longest first (a record's compile, then every part's at once, then the two resume runs and the main job),
     # so that --jobs N ends together rather than on one long check started last.
-    groups = [calibrate, p100[-1:], resume, main_group, baseline, *([c] for c in reversed(p100[:-1])), profile]
+    groups = [calibrate, p100[-1:], resume, main_group, baseline, nocap, *([c] for c in reversed(p100[:-1])), profile]
     if gpu_count() >= 2:
         groups.append([Check("torchrun x2", ["env", "NPROC=2", *main_job(data, work, "torchrun", cap, steps=24)],
                              [os.path.join(work, "torchrun")])])

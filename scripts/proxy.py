@@ -98,10 +98,12 @@ PROTOCOLS = {
         reference=reference_schedule(762, 1.2e-3),
         # d12_fast's FineWeb recipe as a fixed schedule (its lr decaying over the whole run, 32 evaluations)
         # re-sized to P100's 100M tokens: the reading the public records calibrate (docs/RESULTS.md).
-        # d12_nocap's recipe at d12@P100's tokens (3048 steps of 32,768), 32 evaluations: the measured runs.
+        # d12_nocap's recipe as a fixed schedule at d12@P100's tokens (1524 steps of 65,536): a 5% warmup, a linear
+        # decay to zero (Bergsma et al. 2025), the curriculum over 20%, 32 evaluations.
         forms={"d12_fast": dict(budget=100_000_000, lr_schedule="trapezoid", val_loss_every=52),
-               "d12_nocap": dict(batch_size=16, sequence_length=1024, num_iterations=3048, warmup_iters=152,
-                                 warmdown_iters=2896, curriculum_iters=608, val_loss_every=94, val_batch_size=16)}),
+               "d12_nocap": dict(batch_size=16, sequence_length=1024, num_iterations=1524, warmup_iters=76,
+                                 warmdown_iters=1448, curriculum_iters=304, val_loss_every=48, val_batch_size=16,
+                                 lr_schedule="trapezoid", lr_floor=0.0, overtime_steps=0)}),
 }
 
 

@@ -185,9 +185,9 @@ def test_a_batch_other_than_the_recipes_keeps_its_tokens_and_its_schedules_shape
         10002, 10002, 1500, 6564)
     assert ("notice: --total_batch_size 65536 (the recipe's 393216: the same tokens in 10002 steps) re-sizes "
             "d12_fast's schedule of 1667 steps: --warmdown_iters 10002") in capsys.readouterr().err
-    nocap = train_flags("--model", "d12_nocap", "--total_batch_size", "65536")  # 2.5B tokens either way
-    assert (nocap.num_iterations, nocap.warmup_iters, nocap.curriculum_iters, nocap.val_loss_every) == (
-        38144, 1907, 7629, 1024)
+    nocap = train_flags("--model", "d12_nocap", "--total_batch_size", "32768")  # 2.5B tokens either way
+    assert (nocap.num_iterations, nocap.warmup_iters, nocap.curriculum_iters, nocap.overtime_steps) == (
+        76288, 1526, 6104, 19072)
     longer = train_flags("--model", "d12_fast", "--total_batch_size", "65536", "--num_iterations", "500")
     assert (longer.num_iterations, longer.window_iters) == (500, 328)  # steps given: the run's fractions
     capsys.readouterr()
@@ -236,9 +236,11 @@ def test_list_models(capsys):
     recipes = {line.split()[1]: line for line in lines if line.startswith("--model")}
     assert recipes["d12_fast"].startswith("--model d12_fast also sets: --optimizer muon")
     assert recipes["d12_fast"].endswith(" --compile_tuning combo_kernels")  # as the flags are typed
-    assert recipes["d12_nocap"] == ("--model d12_nocap also sets: --total_batch_size 32768 --num_iterations 76288 "
-                                    "--learning_rate 0.0008 --warmup_iters 3814 --warmdown_iters 72474 "
-                                    "--curriculum_iters 15258 --val_loss_every 2048")
+    assert recipes["d12_nocap"] == ("--model d12_nocap also sets: --optimizer soap --soap_lr 0.003 "
+                                    "--learning_rate 0.0008 --total_batch_size 65536 --num_iterations 38144 "
+                                    "--lr_schedule target --warmup_iters 763 --warmdown_iters 38144 --lr_floor 0.1 "
+                                    "--overtime_steps 9536 --cooldown_drop 0.3 --curriculum_iters 3052 "
+                                    "--val_loss_every auto")
     assert rows["d12"].split()[5:7] == ["123.5M", "123.5M"]  # 50257*768 + 12*12*768^2, all active
     assert rows["d12_moe"].split()[5:7] == ["293.5M", "123.6M"] and "moe_experts=8" in rows["d12_moe"]
     assert rows["d12_gqa"].split()[3] == "4" and rows["d12_gqa"].endswith("n_kv_head=4")

@@ -39,11 +39,16 @@ def test_the_scripts_pass_the_trainer_flags_it_accepts(tmp_path):
     assert checks["sample"].command[-7].endswith("main/ckpt_000056.pt")
     assert checks["resume: SIGTERM"].expect_exit == 143 and checks["resume: --resume auto"].command[-2:] == \
         ["--resume", "auto"]
-    for model in ("d12", "d12_fast", "d12_nocap", "soap", "parts"):  # each P100 form with its checks, capped
+    for model in ("d12", "d12_fast", "d12_nocap", "parts"):  # each P100 form with its checks, capped
         command = checks[f"P100 {model}"].command
         spec = parse_spec(PROTOCOLS["P100"], command[command.index("P100") + 1], command[-1].split())
         args = checked_flags("--model", spec.model, *spec.flags)
-        assert "--memory_cap_gib" in command[-1] and (args.optimizer == "soap") == (model == "soap")
+        assert "--memory_cap_gib" in command[-1] and (args.optimizer == "soap") == (model == "d12_nocap")
+    nocap = checks["nocap job"].command  # train.sh's flags straight to the trainer: d12_nocap's job, re-sized
+    args = checked_flags(*nocap[2:])
+    assert (args.optimizer, args.lr_schedule, args.memory_cap_gib) == ("soap", "target", 22.0)
+    assert (args.num_iterations, args.warmup_iters, args.curriculum_iters, args.overtime_steps) == (48, 1, 4, 12)
+    assert args.soap_update_every == 10  # five refreshes in its 48 steps
     assert "calibrate" not in checks and "calibrate" in the_checks(tmp_path, record=str(tmp_path))
     groups = gpu_check.checks(Namespace(data="d", work="w", record=None, cap_gib=22.0))
     assert [c.name for c in groups[-1]] == ["throughput"]  # last and alone: its tokens/s are its own

@@ -323,15 +323,16 @@ def test_nocaps_rows_are_scored_once_where_the_run_ends(tmp_path, shards, target
     assert summary["final_val_loss_1024"] == next(m["val_loss_1024"] for m in records if "val_loss_1024" in m)
 
 
-def test_d12_nocap_is_d12_swiglu_with_small_steps_a_linear_decay_to_zero_and_the_curriculum():
+def test_d12_nocap_is_d12_swiglu_with_soap_small_steps_the_curriculum_and_a_self_sized_decay():
     from model_variants import VARIANTS
     args = checked_flags("--model", "d12_nocap")  # its recipe is a valid run
     assert VARIANTS["d12_nocap"] == VARIANTS["d12_swiglu"]
-    assert (args.optimizer, args.learning_rate, args.lr_schedule) == ("adamw", 8e-4, "trapezoid")
-    assert args.num_iterations * args.total_batch_size == 4768 * 524_288  # NoCap's baseline tokens
-    assert args.accumulation(1) == 2  # two micro-batches of 16 rows of 1024 tokens
-    rows = [Schedule.of(args, D12.window).at(step).row_length for step in (0, 7628, 7629, 15257, 15258)]
-    assert rows == [256, 256, 512, 512, 1024]
-    lr = [lr_scale(step, args) for step in (0, 3813, 3814, 40_051, 76_287)]
-    assert lr[1] == lr[2] == 1.0 and 0 < lr[0] < 0.001  # 5% warmup, then at once the decay to zero
-    assert lr[3] == 0.5 and lr[4] == pytest.approx(1 / 72_474)
+    assert (args.optimizer, args.soap_lr, args.learning_rate, args.lr_schedule) == ("soap", 3e-3, 8e-4, "target")
+    assert args.num_iterations * args.total_batch_size == 4768 * 524_288  # the longest run: NoCap's baseline tokens
+    assert args.accumulation(1) == 4  # four micro-batches of 16 rows of 1024 tokens
+    rows = [Schedule.of(args, D12.window).at(step).row_length for step in (0, 1525, 1526, 3051, 3052)]
+    assert rows == [256, 256, 512, 512, 1024]  # over the first 20% of the ~1.0B tokens it is read to need
+    lr = [lr_scale(step, args) for step in (0, 762, 763, 19_071, 28_608, 38_143, 38_144)]
+    assert 0 < lr[0] < 0.002 and lr[1] == lr[2] == lr[3] == 1.0  # a 5% warmup, then the peak
+    # Until the run chooses its decay, the latest one: over the longest run's second half, to a tenth of the peak.
+    assert lr[4] == pytest.approx(0.55, abs=1e-4) and lr[5] == pytest.approx(0.1, abs=1e-4) and lr[6] == 0.1
