@@ -3,6 +3,7 @@ one-cycle learning rate, LayerDrop, Lion, 8-bit AdamW, and validation rows kept 
 
 from argparse import Namespace
 import copy
+import json
 import shutil
 
 import pytest
@@ -336,3 +337,37 @@ def test_d12_nocap_is_d12_swiglu_with_soap_small_steps_the_curriculum_and_a_self
     assert 0 < lr[0] < 0.002 and lr[1] == lr[2] == lr[3] == 1.0  # a 5% warmup, then the peak
     # Until the run chooses its decay, the latest one: over the longest run's second half, to a tenth of the peak.
     assert lr[4] == pytest.approx(0.55, abs=1e-4) and lr[5] == pytest.approx(0.1, abs=1e-4) and lr[6] == 0.1
+
+
+def test_d12_nocaps_job_trains_with_soap_the_curriculum_and_its_own_sizing_together(tmp_path, shards, capsys,
+                                                                                      monkeypatch):
+    # The recipe as its job runs it, shrunk (2 layers of 64, 24 steps of 2 micro-batches): rows at a quarter and a
+    # half of 32 tokens first, the bases refreshed every 10th step, and where the target stays out of reach, the
+    # latest warmdown to a tenth of the peak, then a quarter more at that rate.
+    import optimizers
+    refreshes, rows = [], []
+    refresh = optimizers.refresh_bases
+    monkeypatch.setattr(optimizers, "refresh_bases", lambda state: refreshes.append(1) or refresh(state))
+    forward = GPT.forward
+
+    def recording_forward(self, idx, targets=None, **kwargs):
+        if self.training:
+            rows.append(idx.size(1))
+        return forward(self, idx, targets, **kwargs)
+    monkeypatch.setattr(GPT, "forward", recording_forward)
+    train, val = shards
+    code = main(["--model", "d12_nocap", "--n_layer", "2", "--n_head", "4", "--n_embd", "64", "--vocab_size", "256",
+                 "--device", "cpu", "--input_bin", train, "--input_val_bin", val, "--batch_size", "2",
+                 "--sequence_length", "32", "--total_batch_size", "128", "--num_iterations", "24", "--val_tokens",
+                 "256", "--val_batch_size", "2", "--output_dir", str(tmp_path), "--run_name", "nocap"])
+    capsys.readouterr()
+    summary = json.loads((tmp_path / "nocap" / "summary.json").read_text())
+    assert code == 0 and summary["status"] == "missed_target" and summary["steps"] == 24 + 6
+    assert rows[:6] == [8, 8, 16, 16, 32, 32] and set(rows[6:]) == {32}  # two micro-batches a step
+    # Twice (SOAP's 10th and 20th updates: its first step builds the bases), once per shape: each of q, k, v; of
+    # gate, up; the attention's and the MLP's output projections.
+    assert len(refreshes) == 2 * 4
+    lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "nocap") if "lr" in r}
+    # Step s trains at the rate of the schedule's step s - 1: the peak to halfway, then straight down over 12 steps.
+    assert lrs[13] == pytest.approx(8e-4) and lrs[19] == pytest.approx(8e-4 * (1 - 0.9 * 6 / 12))
+    assert lrs[25] == lrs[30] == pytest.approx(8e-5)
