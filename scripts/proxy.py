@@ -61,6 +61,16 @@ def reference_schedule(steps: int, learning_rate: float) -> dict:
                 val_batch_size=16)
 
 
+def nocap_form(steps: int, evaluations: int) -> dict:
+    """d12_nocap's recipe as a fixed schedule of `steps` steps of 65,536 tokens: a 5% warmup, a linear decay to zero
+    (Bergsma et al. 2025), the row curriculum over the first 20%, `evaluations` evaluations."""
+    warmup = int(steps * 0.05)
+    return dict(batch_size=16, sequence_length=1024, num_iterations=steps, warmup_iters=warmup,
+                warmdown_iters=steps - warmup, curriculum_iters=int(steps * 0.2),
+                val_loss_every=-(-steps // evaluations), val_batch_size=16, lr_schedule="trapezoid", lr_floor=0.0,
+                overtime_steps=0)
+
+
 @dataclass(frozen=True)
 class Protocol:
     name: str
@@ -89,21 +99,20 @@ PROTOCOLS = {
                        val_batch_size=16),
         # 200 steps of one 32x1024 micro-batch = 6.55M tokens; d12_fast crosses d12@P40's final loss near 5M.
         # As in its recipe, the cooldown takes the whole run and the window warmup the first 66%.
+        # d12_nocap's at d12@P40's tokens (600 steps).
         forms={"d12_fast": dict(batch_size=32, grad_accumulation_steps=1, sequence_length=1024, num_iterations=200,
                                 warmdown_iters=200, muon_momentum_warmup=60, window_iters=131, val_loss_every=20,
-                                val_batch_size=16, lr_schedule="trapezoid")}),
+                                val_batch_size=16, lr_schedule="trapezoid"),
+               "d12_nocap": nocap_form(600, 8)}),
     "P100": Protocol(
         "P100", tuple(f"mix_train_00000{i}.bin" for i in range(1, 6)), (FWTEXTFIXER, FWLEGAL),
         # d12@P100: 762 steps = 99.9M tokens at lr 1.2e-3, the best of 6e-4 / 1.2e-3 / 1.8e-3 (docs/BENCHMARKS.md).
         reference=reference_schedule(762, 1.2e-3),
         # d12_fast's FineWeb recipe as a fixed schedule (its lr decaying over the whole run, 32 evaluations)
         # re-sized to P100's 100M tokens: the reading the public records calibrate (docs/RESULTS.md).
-        # d12_nocap's recipe as a fixed schedule at d12@P100's tokens (1524 steps of 65,536): a 5% warmup, a linear
-        # decay to zero (Bergsma et al. 2025), the curriculum over 20%, 32 evaluations.
+        # d12_nocap's at d12@P100's tokens (1524 steps), 32 evaluations.
         forms={"d12_fast": dict(budget=100_000_000, lr_schedule="trapezoid", val_loss_every=52),
-               "d12_nocap": dict(batch_size=16, sequence_length=1024, num_iterations=1524, warmup_iters=76,
-                                 warmdown_iters=1448, curriculum_iters=304, val_loss_every=48, val_batch_size=16,
-                                 lr_schedule="trapezoid", lr_floor=0.0, overtime_steps=0)}),
+               "d12_nocap": nocap_form(1524, 32)}),
 }
 
 

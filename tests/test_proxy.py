@@ -46,6 +46,18 @@ def test_p40_schedules_are_the_reference_run_and_d12_fasts_measured_form():
     assert {k: fast[k] for k in measured} == measured
 
 
+def test_every_variant_runs_on_each_protocol_as_named():
+    # ablate.sh's default list (d12 and every d12_*) without a flag: a recipe longer than the protocol has a form.
+    from model_variants import VARIANTS
+    for protocol in ("P40", "P100"):
+        for name in (n for n in VARIANTS if n == "d12" or n.startswith("d12_")):
+            spec, _ = trainer_view(protocol, name)
+            assert spec.tokens <= proxy.PROTOCOLS[protocol].tokens, (protocol, name)
+    spec, nocap = trainer_view("P40", "d12_nocap")  # its P100 form's shape at d12@P40's tokens
+    assert (spec.steps, spec.tokens) == (600, 300 * 131_072)
+    assert (nocap["warmup_iters"], nocap["warmdown_iters"], nocap["curriculum_iters"]) == (30, 570, 120)
+
+
 def test_budget_keeps_the_schedules_shape():
     spec, args = trainer_view("P100", "d12 --budget 25M")
     assert spec.steps == 191 == args["num_iterations"]  # 25M / 131,072
