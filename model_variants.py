@@ -9,7 +9,7 @@ baseline is visible at a glance.
 import difflib
 from dataclasses import dataclass, field, fields, replace
 
-ATTN_IMPLS = ("sdpa", "flash", "flex", "manual")
+ATTN_IMPLS = ("sdpa", "flash", "flex", "varlen", "manual")
 MLP_ACTS = ("gelu", "relu2", "swiglu")
 WINDOW_KINDS = ("sliding", "chunked")
 
@@ -32,7 +32,8 @@ class GPTConfig:
     # "sdpa" lets PyTorch pick flash / cuDNN / efficient; "manual" is the reference every other path is tested
     # against.
     attn_impl: str = knob("sdpa", "the attention kernel: sdpa (PyTorch's choice), flash (insist on flash), flex "
-                                  "(FlexAttention with block masks: windows, documents) or manual (plain softmax)")
+                                  "(FlexAttention with block masks: windows, documents), varlen (flash over each "
+                                  "document apart: doc_mask at flash's speed) or manual (plain softmax)")
     window: int = knob(0, "attention window in tokens of the local layers; 0 = every layer global")
     # S: the user's plans' attention/spectral hybrid (their AFNO in the upper layers), made causal by construction.
     window_pattern: str = knob("L", "the blocks' token mixers, repeated over them: L local attention (within window), "
@@ -42,10 +43,11 @@ class GPTConfig:
     # H100) run it, on window/T of full attention's work.
     window_kind: str = knob("sliding", "the local layers' window: sliding (the last `window` positions) or "
                                        "chunked (aligned blocks of `window` positions, as Llama 4's local layers)")
-    # FlexAttention (or manual, the reference): SDPA's fused kernels take no per-document mask.
+    # FlexAttention, flash over variable-length documents (or manual, the reference): SDPA's fused kernels take no
+    # per-document mask (Zhao et al. 2024, "Analysing the impact of sequence composition on LM pre-training").
     doc_mask: bool = knob(False, "attention only within documents: a position sees the positions since the last "
                                  "document token (the vocabulary's last, GPT-2's <|endoftext|>), as if each "
-                                 "document were its own row (attn_impl flex)")
+                                 "document were its own row (attn_impl flex or varlen)")
     # Rotary embedding turns half of each head's dimensions, apart from the latent's (DeepSeek-V2's 64 of 192).
     kv_lora_rank: int = knob(0, "> 0: multi-head latent attention (DeepSeek's MLA) with a latent this wide")
     qk_norm: bool = knob(False, "parameter-free RMSNorm of each query and key head")
@@ -171,9 +173,12 @@ class GPTConfig:
         if self.value_residual and self.kv_lora_rank:
             raise ValueError("value_residual mixes per-head values of grouped attention; MLA (kv_lora_rank > 0) "
                              "has no such values — turn one of them off")
-        if self.doc_mask and self.attn_impl not in ("flex", "manual"):
-            raise ValueError(f"doc_mask needs attn_impl flex (or manual, the reference), not {self.attn_impl!r}: "
-                             "SDPA's fused kernels take no per-document mask")
+        if self.doc_mask and self.attn_impl not in ("flex", "varlen", "manual"):
+            raise ValueError(f"doc_mask needs attn_impl flex or varlen (or manual, the reference), not "
+                             f"{self.attn_impl!r}: SDPA's fused kernels take no per-document mask")
+        if self.attn_impl == "varlen" and (not self.doc_mask or self.chunked_windows or self.kv_lora_rank):
+            raise ValueError("attn_impl varlen attends within documents, causally or in a sliding window, with "
+                             "one head size: pass doc_mask True, window_kind sliding, kv_lora_rank 0 (else flex)")
         if self.value_embeds and self.kv_lora_rank:
             raise ValueError("value_embeds blends tables into per-head values of grouped attention; MLA (kv_lora_rank "
                              "> 0) has no such values — turn one of them off")

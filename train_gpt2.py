@@ -231,15 +231,31 @@ def document_ids(idx: torch.Tensor, doc_token: int) -> torch.Tensor:
     return (idx == doc_token).cumsum(dim=-1)
 
 
+@torch.compiler.disable
+def document_spans(docs: torch.Tensor) -> torch.Tensor:
+    """The rows' documents as variable-length attention takes them: the rows laid end to end (B*T positions), int32
+    (documents + 1,) holding each document's first position and then B*T. Each row's start begins one too, so
+    that rows stay apart. The count changes batch to batch: marked dynamic, one compiled graph takes them all."""
+    B, T = docs.shape
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    first = torch.nonzero(starts.flatten()).flatten()
+    spans = torch.cat([first, first.new_tensor([B * T])]).to(torch.int32)
+    torch._dynamo.mark_dynamic(spans, 0)
+    return spans
+
+
 @dataclass
 class Masking:
     """What limits attention in one forward pass besides causality and each layer's own window: the local window
     (the window warmup's in training, eval_window's in evaluation; 0: the model's), each token's document number
-    (doc_mask; None: rows are one stream), FlexAttention's block mask for each window in use (flex only), and under
-    YaRN the local layers' rotary tables and logit scale at this window."""
+    (doc_mask; None: rows are one stream), FlexAttention's block mask for each window in use (flex only), the
+    documents' spans (varlen only: document_spans), and under YaRN the local layers' rotary tables and logit scale
+    at this window."""
     local_window: int = 0
     docs: torch.Tensor | None = None
     block_masks: dict | None = None
+    spans: torch.Tensor | None = None
     local_rotary: tuple | None = None
 
     def window(self, layer_window: int) -> int:
@@ -277,10 +293,11 @@ def flex_block_masks(T: int, windows, device: torch.device, chunked: bool = Fals
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, window: int = 0,
                      block_mask=None, chunked: bool = False, docs: torch.Tensor | None = None,
-                     chunked_kernel: bool = False) -> torch.Tensor:
+                     chunked_kernel: bool = False, spans: torch.Tensor | None = None) -> torch.Tensor:
     """The attention seam. q (B, n_head, T, head_dim); k, v (B, n_kv_head, T, head_dim), n_kv_head dividing
-    n_head (GQA) -> (B, n_head, T, head_dim). window, chunked: may_attend; docs (B, T): document numbers (flex and
-    manual; a block_mask given includes them); chunked_kernel: kernels.block_attention where it takes q, k, v."""
+    n_head (GQA) -> (B, n_head, T, head_dim). window, chunked: may_attend; docs (B, T): document numbers (flex,
+    varlen and manual; a block_mask given includes them); chunked_kernel: kernels.block_attention where it takes
+    q, k, v; spans: docs as document_spans lays them out (varlen)."""
     grouped = k.size(1) != q.size(1)
     if impl == "manual":  # the definition, kept as the reference every fused path is tested against
         if grouped:
@@ -299,6 +316,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
                 block_mask = flex_block_masks(q.size(-2), (window,), q.device, chunked, docs)[window]
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=grouped)
         dense_mask_reason = "FlexAttention has no backward on CPU"
+    elif impl == "varlen":
+        if q.is_cuda and compute_dtype(q) != torch.float32 and spans is not None:
+            return document_attention(q, k, v, spans, window)
+        dense_mask_reason = "varlen attention has no CPU or fp32 kernel"
     elif window and chunked:
         if chunked_kernel and kernels.kernel_runs("block attention", q.device):
             q16, k16, v16 = (t.to(compute_dtype(q)) for t in (q, k, v))  # SDPA's autocast, which a kernel lacks
@@ -309,7 +330,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
         dense_mask_reason = f"attn_impl={impl} has no sliding-window kernel"
     if dense_mask_reason:  # a dense boolean mask works everywhere, slowly
         notice(f"{dense_mask_reason}; using SDPA with a dense mask (slow)"
-               + ("" if impl == "flex" else " — use --attn_impl flex or --window_kind chunked"))
+               + ("" if impl in ("flex", "varlen") else " — use --attn_impl flex or --window_kind chunked"))
         mask = causal_mask(q.size(-2), window, q.device, chunked=chunked, docs=docs)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
     if impl == "flash" and q.is_cuda and compute_dtype(q) == torch.float32:
@@ -319,6 +340,23 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: st
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: torch.Tensor,
+                       window: int = 0) -> torch.Tensor:
+    """Causal attention within each document (and the sliding window) by flash attention over variable-length
+    sequences: the rows laid end to end, spans their documents' bounds (document_spans). Shapes as
+    causal_attention's; the row length bounds every document's."""
+    from torch.nn.attention.varlen import varlen_attn
+    B, H, T, D = q.shape
+    if k.size(1) != H:  # the varlen kernel of torch 2.11 takes as many key/value heads as query heads
+        k, v = (t.repeat_interleave(H // t.size(1), dim=1) for t in (k, v))
+
+    def laid_out(t: torch.Tensor) -> torch.Tensor:  # (B*T, H, D) in the autocast dtype, which a custom op lacks
+        return t.transpose(1, 2).reshape(B * T, H, D).to(compute_dtype(q))
+    y = varlen_attn(laid_out(q), laid_out(k), laid_out(v), spans, spans, T, T,
+                    window_size=(window - 1 if window else -1, 0))  # (left, right): causal within `window`
+    return y.view(B, T, H, D).transpose(1, 2)
 
 
 def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, chunk: int) -> torch.Tensor:
@@ -353,7 +391,7 @@ class Attention(nn.Module):
         c, masking = self.config, masking or Masking()
         window = masking.window(self.window)
         y = causal_attention(q, k, v, c.attn_impl, window, masking.block_masks and masking.block_masks[window],
-                             c.chunked_windows, masking.docs, c.fused_kernels)
+                             c.chunked_windows, masking.docs, c.fused_kernels, masking.spans)
         B, _, T, _ = y.shape
         y = y.transpose(1, 2)  # (B, T, n_head, head_dim)
         if self.gate is not None:
@@ -790,13 +828,16 @@ class GPT(nn.Module):
 
     def masking(self, idx: torch.Tensor, local_window: int) -> Masking:
         """What the blocks' attention masks: the local window (the warmup's in training, eval_window's in
-        evaluation), the documents (doc_mask), and flex attention's block masks, one per distinct window."""
+        evaluation), the documents (doc_mask), and flex attention's block masks, one per distinct window, or
+        varlen attention's document spans."""
         c = self.config
         masking = Masking(local_window if self.training else c.eval_window,
                           document_ids(idx, c.doc_token) if c.doc_mask else None)
         if c.attn_impl == "flex":  # one mask per distinct window (local and global layers)
             windows = sorted({masking.window(c.layer_window(i)) for i in range(c.n_layer) if c.layer_kind(i) != "S"})
             masking.block_masks = flex_block_masks(idx.size(1), windows, idx.device, c.chunked_windows, masking.docs)
+        if c.attn_impl == "varlen":
+            masking.spans = document_spans(masking.docs)
         if c.yarn:
             masking.local_rotary = self.rotary.yarn(idx.size(1), masking.window(c.window))
         return masking
@@ -1472,10 +1513,10 @@ def pick_device(flag: str, index: int = 0) -> torch.device:
 
 def check_device_fit(flags: TrainConfig, config: GPTConfig, env: Distributed):
     """Flags that depend on the device: the flash kernel's GPU generation, the memory cap, block_size."""
-    if (config.attn_impl == "flash" and env.device.type == "cuda"
+    if (config.attn_impl in ("flash", "varlen") and env.device.type == "cuda"
             and torch.cuda.get_device_capability(env.device) < (8, 0)):
-        raise InputError("--attn_impl flash: this GPU has no flash-attention kernel (it needs sm80+, Ampere or "
-                         "newer); use --attn_impl sdpa")
+        raise InputError(f"--attn_impl {config.attn_impl}: this GPU has no flash-attention kernel (it needs sm80+, "
+                         f"Ampere or newer); use --attn_impl {'sdpa' if config.attn_impl == 'flash' else 'flex'}")
     if flags.memory_cap_gib is not None:
         if env.device.type != "cuda":
             raise InputError("--memory_cap_gib limits GPU memory; drop it on CPU")

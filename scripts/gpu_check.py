@@ -14,7 +14,8 @@ the project's own command (the scripts with SETUP=0: the machine is set up, the 
     throughput     throughput.sh for d12_fast and d12
     nocap job      train.sh --model d12_nocap: SOAP (its bases refreshed), the curriculum, self-sized, as the main job
     P100 <model>   proxy.py's P100 form of each recipe, with its FineWeb checks; "P100 parts": d12_fast with every
-                   part its recipe leaves off (their GPU paths: the multi-target head, the untie, YaRN, ...)
+                   part its recipe leaves off (their GPU paths: the multi-target head, the untie, YaRN, ...); "P100
+                   nocap_parts": d12_nocap with the papers' parts it leaves off (varlen attention within documents, ...)
     calibrate      calibrate.py run on a tiny budget (with --record: a folder of modded-nanogpt's records)
     profile        profile_model.py --compile at d12_fast's micro-batch
     torchrun       two processes under torchrun (on a machine with two GPUs)
@@ -47,6 +48,9 @@ from common import ArgumentParser, InputError  # noqa: E402
 # 4,096 tokens. A small bigram table keeps them all under a 24 GB card's cap.
 PARTS = ("--later_targets 0.5,0.25 --untie_at 0.5 --document_rows --longest_document 2048 --bigram_table 4096 "
          "--yarn true --eval_window 512")
+# The papers' parts d12_nocap's recipe leaves off, on its SOAP: attention within documents by the varlen flash
+# kernel, QK-norm, soft-capped logits, value residual, z-loss.
+NOCAP_PARTS = "--doc_mask true --attn_impl varlen --qk_norm true --logit_softcap 30 --value_residual true --z_loss 1e-4"
 PEAK_FILE = "GPU_CHECK_PEAK_FILE"  # where a tool run under the cap writes its peak memory (MiB)
 
 
@@ -140,6 +144,7 @@ def checks(args) -> list[list[Check]]:
                                        "--flags", f"--memory_cap_gib {cap}"),
                   [os.path.join(work, "p100", name, "runs", name)])
             for name, spec in (*((model, model) for model in ("d12", "d12_fast", "d12_nocap")),  # a refresh every 10
+                               ("nocap_parts", f"nocap_parts:d12_nocap {NOCAP_PARTS}"),
                                ("parts", f"parts:d12_fast {PARTS}"))]
     # The record runs under torchrun, uncapped: its code is the record's own, not the project's.
     calibrate = [Check("calibrate", [sys.executable, "scripts/calibrate.py", "run", args.record, "--budget", "2M",

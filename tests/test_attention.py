@@ -302,14 +302,66 @@ def test_document_ids_count_the_documents_begun_at_or_before_each_position():
     assert document_ids(idx, DOC).tolist() == [[0, 0, 1, 1, 2, 3, 3], [1, 1, 1, 1, 1, 1, 1]]
 
 
-def test_a_doc_mask_run_trains_and_records_the_setting(tmp_path, shards, capsys):
+def test_document_spans_start_at_every_row_and_every_document():
+    from train_gpt2 import document_ids, document_spans
+    idx = torch.tensor([[5, 7, DOC, 1, DOC, DOC, 2], [DOC, 1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7]])
+    # Row 1 continues row 0's last document number (and row 2 its own 0), yet each row begins a span.
+    assert document_spans(document_ids(idx, DOC)).tolist() == [0, 2, 4, 5, 7, 14, 21]
+
+
+def reference_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, window_size=(-1, -1)):
+    """torch.nn.attention.varlen.varlen_attn's documented result, by plain softmax: each sequence of the packed
+    (total, H, D) tensors attends within itself, key j seen from query i where i - left <= j <= i + right."""
+    assert torch.equal(cu_seq_q, cu_seq_k) and cu_seq_q.dtype == torch.int32 and max_q >= int(cu_seq_q.diff().max())
+    left, right = window_size
+    out = torch.empty_like(q)
+    for start, end in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
+        i = torch.arange(end - start)
+        seen = (i[None, :] <= i[:, None] + right) & ((left < 0) | (i[None, :] >= i[:, None] - left))
+        scores = torch.einsum("qhd,khd->hqk", q[start:end], k[start:end]) / q.size(-1) ** 0.5
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1),
+                                      v[start:end])
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_varlen_attention_keeps_to_documents_as_manual_does(window, monkeypatch):
+    # The flash kernel runs on CUDA only: here its documented result stands in, so that what the trainer hands it
+    # (the rows laid end to end, the documents' spans, grouped heads repeated, the window as (left, right)) is
+    # checked against the definition.
+    import torch.nn.attention.varlen as varlen
+    from train_gpt2 import document_attention, document_spans
+    monkeypatch.setattr(varlen, "varlen_attn", reference_varlen_attn)
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 32, 16, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 32, 16, dtype=torch.float64), torch.randn(2, 2, 32, 16, dtype=torch.float64)
+    docs = (rows_with_documents((5, 11, 16), (30, 2)) == DOC).cumsum(-1)
+    expected = causal_attention(q, k, v, "manual", window, docs=docs)
+    torch.testing.assert_close(document_attention(q, k, v, document_spans(docs), window), expected)
+
+
+def test_a_varlen_model_falls_back_on_a_cpu_and_trains_as_manual(capsys):
+    torch.manual_seed(0)
+    config = with_overrides(TINY, vocab_size=64, doc_mask=True, window=8, window_pattern="LG", attn_impl="manual")
+    manual = GPT(config).double()
+    varlen = GPT(with_overrides(config, attn_impl="varlen")).double()
+    varlen.load_state_dict(manual.state_dict())
+    idx = rows_with_documents((10, 22), (32,))
+    for model in (manual, varlen):
+        model(idx, idx)[1].backward()
+    for a, b in zip(manual.parameters(), varlen.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert capsys.readouterr().err.count("notice: varlen attention has no CPU or fp32 kernel") == 1
+
+
+@pytest.mark.parametrize("impl, kind", [("flex", "chunked"), ("varlen", "sliding")])
+def test_a_doc_mask_run_trains_and_records_the_setting(tmp_path, shards, capsys, impl, kind):
     import json
     from conftest import tiny_run_args
     from train_gpt2 import main
-    extra = ["--doc_mask", "true", "--attn_impl", "flex", "--window", "8",
-             "--window_kind", "chunked"]
+    extra = ["--doc_mask", "true", "--attn_impl", impl, "--window", "8", "--window_kind", kind]
     assert main(tiny_run_args(shards, tmp_path, "run", *extra)) == 0
     capsys.readouterr()
     config = json.loads((tmp_path / "run" / "config.json").read_text())["model_config"]
-    assert (config["doc_mask"], config["attn_impl"]) == (True, "flex")
+    assert (config["doc_mask"], config["attn_impl"]) == (True, impl)
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"

@@ -39,11 +39,12 @@ def test_the_scripts_pass_the_trainer_flags_it_accepts(tmp_path):
     assert checks["sample"].command[-7].endswith("main/ckpt_000056.pt")
     assert checks["resume: SIGTERM"].expect_exit == 143 and checks["resume: --resume auto"].command[-2:] == \
         ["--resume", "auto"]
-    for model in ("d12", "d12_fast", "d12_nocap", "parts"):  # each P100 form with its checks, capped
+    for model in ("d12", "d12_fast", "d12_nocap", "parts", "nocap_parts"):  # each P100 form with its checks, capped
         command = checks[f"P100 {model}"].command
         spec = parse_spec(PROTOCOLS["P100"], command[command.index("P100") + 1], command[-1].split())
         args = checked_flags("--model", spec.model, *spec.flags)
-        assert "--memory_cap_gib" in command[-1] and (args.optimizer == "soap") == (model == "d12_nocap")
+        assert "--memory_cap_gib" in command[-1] and (args.optimizer == "soap") == ("nocap" in model)
+    assert spec.flags[spec.flags.index("--attn_impl") + 1] == "varlen"  # nocap_parts: the varlen kernel's path
     nocap = checks["nocap job"].command  # train.sh's flags straight to the trainer: d12_nocap's job, re-sized
     args = checked_flags(*nocap[2:])
     assert (args.optimizer, args.lr_schedule, args.memory_cap_gib) == ("soap", "target", 22.0)

@@ -72,7 +72,9 @@ def test_every_variant_builds_trains_and_is_causal(name):
     (dict(mlp_act="geglu"), "mlp_act='geglu'"),
     (dict(kv_lora_rank=64, value_residual=True), "value_residual"),
     (dict(kv_lora_rank=64, value_embeds=1), "value_embeds blends tables into per-head values"),
-    (dict(doc_mask=True), "doc_mask needs attn_impl flex \\(or manual, the reference\\), not 'sdpa'"),
+    (dict(doc_mask=True), "doc_mask needs attn_impl flex or varlen \\(or manual, the reference\\), not 'sdpa'"),
+    (dict(attn_impl="varlen"), "attn_impl varlen attends within documents.*pass doc_mask True"),
+    (dict(attn_impl="varlen", doc_mask=True, window=8, window_kind="chunked"), "window_kind sliding"),
     (dict(value_embeds=7), "value_embeds=7: each table serves a first block and its mirror .* at most .* = 6"),
 ])
 def test_invalid_variant_fields_explain_themselves(bad, message):
