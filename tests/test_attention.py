@@ -282,18 +282,23 @@ def test_flex_and_the_dense_fallback_keep_to_documents_as_manual_does(window, ch
                                rtol=1e-4, atol=1e-5)
 
 
-def test_a_doc_mask_model_trains_through_flex_as_through_manual():
+@pytest.mark.parametrize("impl, kind, notice", [
+    ("flex", "chunked", None),  # FlexAttention unfused on a CPU
+    ("varlen", "sliding", "notice: varlen attention has no CPU or fp32 kernel")])  # the dense fallback, said once
+def test_a_doc_mask_model_trains_through_each_kernel_as_through_manual(impl, kind, notice, capsys):
     torch.manual_seed(0)
-    config = with_overrides(TINY, vocab_size=64, doc_mask=True, window=8, window_pattern="LG",
-                            window_kind="chunked", attn_impl="manual")
+    config = with_overrides(TINY, vocab_size=64, doc_mask=True, window=8, window_pattern="LG", window_kind=kind,
+                            attn_impl="manual")
     manual = GPT(config).double()
-    flex = GPT(with_overrides(config, attn_impl="flex")).double()
-    flex.load_state_dict(manual.state_dict())
+    fused = GPT(with_overrides(config, attn_impl=impl)).double()
+    fused.load_state_dict(manual.state_dict())
     idx = rows_with_documents((10, 22), (32,))
-    for model in (manual, flex):
+    for model in (manual, fused):
         model(idx, idx)[1].backward()
-    for a, b in zip(manual.parameters(), flex.parameters()):
+    for a, b in zip(manual.parameters(), fused.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+    if notice:
+        assert capsys.readouterr().err.count(notice) == 1
 
 
 def test_document_ids_count_the_documents_begun_at_or_before_each_position():
@@ -338,20 +343,6 @@ def test_varlen_attention_keeps_to_documents_as_manual_does(window, monkeypatch)
     docs = (rows_with_documents((5, 11, 16), (30, 2)) == DOC).cumsum(-1)
     expected = causal_attention(q, k, v, "manual", window, docs=docs)
     torch.testing.assert_close(document_attention(q, k, v, document_spans(docs), window), expected)
-
-
-def test_a_varlen_model_falls_back_on_a_cpu_and_trains_as_manual(capsys):
-    torch.manual_seed(0)
-    config = with_overrides(TINY, vocab_size=64, doc_mask=True, window=8, window_pattern="LG", attn_impl="manual")
-    manual = GPT(config).double()
-    varlen = GPT(with_overrides(config, attn_impl="varlen")).double()
-    varlen.load_state_dict(manual.state_dict())
-    idx = rows_with_documents((10, 22), (32,))
-    for model in (manual, varlen):
-        model(idx, idx)[1].backward()
-    for a, b in zip(manual.parameters(), varlen.parameters()):
-        torch.testing.assert_close(a.grad, b.grad)
-    assert capsys.readouterr().err.count("notice: varlen attention has no CPU or fp32 kernel") == 1
 
 
 @pytest.mark.parametrize("impl, kind", [("flex", "chunked"), ("varlen", "sliding")])
