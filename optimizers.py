@@ -347,7 +347,7 @@ def refresh_bases(state: dict[str, torch.Tensor]):
     statistics the same way). It is for the directions whose eigenvalues lie far below it, most of a wide side's
     (each step's G G^T has the narrow side's rank): unshifted, their columns of M Q are the bases' rounding error
     (bf16's ~4e-3) times the top eigenvalues, nearly parallel, and no Cholesky factor of their Gram matrix exists
-    in fp32; shifted, each keeps its old direction plus what M adds, and Cholesky QR holds."""
+    in fp32; shifted, each keeps its old direction plus what M adds, and CholeskyQR2 holds."""
     bases = fp32_bases(state)  # the old ones
     first = in_bases(state["rotated_avg"], *bases, back=True)
     second = state["exp_avg_sq"]
@@ -372,49 +372,40 @@ POWER_SHIFT = 1e-3  # enough for a GPT's statistics' Gram matrices to factor in 
 
 def orthonormal_columns(moved: torch.Tensor) -> torch.Tensor:
     """The Q of QR for a stack of square matrices (each one's columns orthonormalized in order, as Gram-Schmidt
-    does), by Cholesky QR: Q <- Q R^-1 with R the Cholesky factor of Q^T Q, batched products and solves, where
-    torch's Householder QR factors one matrix after another, each call waiting on its own small kernels. Its error
-    grows with the columns' angles, not their lengths (the Cholesky factor of a Gram matrix is as accurate as that
-    of the matrix scaled to a unit diagonal): a shifted power iteration's columns, near-orthogonal whatever their
-    eigenvalues, come out within ORTHONORMAL_TOLERANCE of orthonormal after one pass; a stack that one pass leaves
-    short takes a second (CholeskyQR2). In fp32 with TF32 off (its products would leave the columns ~1e-3 from
-    orthonormal; fp64 runs at 1/64 of fp32's rate on consumer cards). Each column comes out as Householder's up to
-    its sign, which SOAP's update does not see: the first moment is carried from basis to basis and the second is
-    a square. A matrix whose Gram matrix is not positive definite (rank-deficient statistics) or whose result is
-    not orthonormal takes Householder's QR, alone: the others keep theirs."""
+    does), by CholeskyQR2: twice Q <- Q R^-1 with R the Cholesky factor of Q^T Q, batched products and solves,
+    where torch's Householder QR factors one matrix after another, each call waiting on its own small kernels.
+    In fp32 with TF32 off (its products would leave the columns ~1e-3 from orthonormal; fp64 runs at 1/64 of
+    fp32's rate on consumer cards). Each column comes out as Householder's up to its sign, which SOAP's update
+    does not see: the first moment is carried from basis to basis and the second is a square. A matrix whose Gram
+    matrix is not positive definite (rank-deficient statistics) or whose result is not orthonormal takes
+    Householder's QR, alone: the others keep theirs."""
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        q, factored = cholesky_qr(moved.float())
-        held = factored & orthonormal(q)
-        one_pass = bool(held.all())  # the stack's one host sync where one pass holds
-        if not one_pass:
-            q, factored_again = cholesky_qr(q)
-            held = factored & factored_again & orthonormal(q)
+        q, held = cholesky_qr2(moved.float())
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     q = q.to(moved.dtype)
-    if not one_pass and not held.all():
+    if not held.all():
         q[~held] = torch.linalg.qr(moved[~held])[0]
     return q
 
 
-def cholesky_qr(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pass of orthonormal_columns, and for which matrices of the stack the Cholesky factor existed. Each
-    matrix is a batch element of its own, so one whose factor fails (and comes out as garbage) leaves the others
-    as they would be alone."""
-    r, info = torch.linalg.cholesky_ex(q.mT @ q, upper=True)
-    return torch.linalg.solve_triangular(r, q, upper=True, left=False), info == 0
-
-
-def orthonormal(q: torch.Tensor) -> torch.Tensor:
-    """For each matrix of the stack, whether its columns are within ORTHONORMAL_TOLERANCE of orthonormal."""
+def cholesky_qr2(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """orthonormal_columns' two passes, and for which matrices of the stack they held: a Cholesky factor both
+    times and columns within ORTHONORMAL_TOLERANCE of orthonormal. Each matrix is a batch element of its own, so
+    one whose factor fails (and comes out as garbage) leaves the others as they would be alone."""
+    held = torch.ones(q.shape[:-2], dtype=torch.bool, device=q.device)
+    for _ in range(2):
+        r, info = torch.linalg.cholesky_ex(q.mT @ q, upper=True)
+        held &= info == 0
+        q = torch.linalg.solve_triangular(r, q, upper=True, left=False)
     gram = q.mT @ q
     gram.diagonal(dim1=-2, dim2=-1).sub_(1)
-    return gram.abs().amax(dim=(-2, -1)) <= ORTHONORMAL_TOLERANCE
+    return q, held & (gram.abs().amax(dim=(-2, -1)) <= ORTHONORMAL_TOLERANCE)
 
 
-ORTHONORMAL_TOLERANCE = 1e-4  # fp32's Cholesky QR leaves ~1e-6 where it holds; bf16 bases keep ~4e-3
+ORTHONORMAL_TOLERANCE = 1e-4  # fp32's CholeskyQR2 leaves ~1e-6 where it holds; bf16 bases keep ~4e-3
 
 
 def fp32_bases(state: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
