@@ -97,15 +97,6 @@ class GPTConfig:
     # last time this came". Offered in the dims rotary turns slowest (modded-nanogpt's partial key offset, 2025-12).
     key_offset: bool = knob(False, "the global layers' keys take the slowest-turning quarter of their rotary pairs "
                                    "from the position before")
-    # A local window that doubles in training shows distances never seen: the rotary pairs that turned less than
-    # once across the old window slow down by old/new, so the wider range looks like the old one, and the logits
-    # sharpen by 1 + 0.2 ln(new/old) (YaRN, Peng et al. 2023; modded-nanogpt's window schedule, 2025-09).
-    yarn: bool = knob(False, "the local layers' rotary pairs and logit scale follow the window warmup's doublings "
-                             "as YaRN extends a context (without a warmup: as if it had run)")
-    # Evaluation costs no training step: a local window wider than the trained one gives each token more context,
-    # YaRN stretching the rotary to it as at each doubling (modded-nanogpt validates at ~1.5x its last window).
-    eval_window: int = knob(0, "with yarn: the local layers' window when evaluating, a multiple of window (e.g. "
-                               "512 for 256; 0: the trained window)")
     # Which token came before is what the first layers must otherwise work out: a table of hashed (previous,
     # current) token pairs gives it to every block's input (modded-nanogpt's bigram hash embedding, 2026-01).
     bigram_table: int = knob(0, "> 0: rows of a table indexed by a hash of each (previous, current) token pair, "
@@ -153,13 +144,6 @@ class GPTConfig:
 
     def _check_combinations(self):
         """Fields that rule each other out or bound each other."""
-        if self.yarn and (self.kv_lora_rank or "L" not in self.window_pattern or not self.window):
-            raise ValueError("yarn re-tunes the local layers' per-head rotary: it needs a window, L in window_pattern "
-                             "and no kv_lora_rank")
-        if self.eval_window and not (self.yarn and self.eval_window > self.window
-                                     and self.eval_window % self.window == 0):
-            raise ValueError(f"eval_window={self.eval_window} stretches YaRN's rotary past the trained window: pass "
-                             f"yarn True and a multiple of window={self.window} above it")
         if self.key_offset and self.kv_lora_rank:
             raise ValueError("key_offset shifts the heads' rotary dims; latent attention (kv_lora_rank) turns only "
                              "a decoupled part: pass one of them")
@@ -357,7 +341,7 @@ RECIPES: dict[str, dict] = {
 # Fields that left GPTConfig (parts measured flat on P100; docs/RESULTS.md names the commit that has each), with the
 # value that meant "off": a checkpoint written before holds them, and loads where they are off.
 REMOVED_FIELDS = {"value_embed_gate": 0, "smear_gate": 0, "backout": 0, "paired_heads": "", "dense_inputs": "",
-                  "hyper_streams": 0}
+                  "hyper_streams": 0, "yarn": False, "eval_window": 0}
 
 
 def get_variant(name: str) -> GPTConfig:

@@ -1,31 +1,13 @@
 """The tensor math of parts the public speedrun records proved on FineWeb, each behind its GPTConfig knob (the
 trainer's model wires them in; each is judged on P100 by docs/BENCHMARKS.md's rule):
 
-    yarn_rotary    local layers' rotary speeds and logit scale as their window widens (yarn)
     offset_keys    keys whose slowest rotary pairs show the previous position (key_offset)
     bigram_rows    the hashed (previous, current) token pair that picks a bigram table's row (bigram_table: d12_fast)
 
 A part joins a recipe when its calibrated 100M reading pays for its step time, and leaves the code when it does not.
 """
 
-import math
-
 import torch
-
-
-def yarn_rotary(inv_freq: torch.Tensor, stages: tuple[int, ...], alpha: float = 1.0, beta: float = 32.0
-                ) -> tuple[torch.Tensor, float]:
-    """A local layer's rotary speeds and logit scale after widening its window through `stages` (positions), as
-    YaRN extends a context (Peng et al. 2023): at each widening from old to new, a pair that turned fewer than
-    alpha times across the old window turns old/new as fast (the new range looks like the old), one that turned
-    beta or more times keeps its speed (it resolves nearby tokens), those between blend the two; the logits
-    sharpen by 1 + 0.2 ln(new/old), as the attention over more keys would otherwise flatten."""
-    scale = 1.0
-    for old, new in zip(stages, stages[1:]):
-        kept = ((old * inv_freq / (2 * math.pi) - alpha) / (beta - alpha)).clamp(0, 1)
-        inv_freq = inv_freq * (old / new + kept * (1 - old / new))
-        scale *= 1 + 0.2 * math.log(new / old)
-    return inv_freq, scale
 
 
 def offset_keys(k: torch.Tensor) -> torch.Tensor:

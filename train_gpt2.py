@@ -24,7 +24,7 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from typing import NamedTuple
 
 try:  # a few seconds of loading torch: Ctrl-C there is a stop, not a traceback of the import machinery
@@ -42,11 +42,11 @@ try:  # a few seconds of loading torch: Ctrl-C there is a stop, not a traceback 
     from optimizers import MUON_MOMENTUM, SOAP, BatchedMuon, Lion, Optimizers
     from plan_ideas import (SpectralMixer, blocks_to_drop, consistency_objective, tokens_to_keep,
                             with_tokens_dropped)
-    from recipe_parts import bigram_rows, offset_keys, yarn_rotary
+    from recipe_parts import bigram_rows, offset_keys
     from run_dir import (CHECKPOINT_FORMAT, RunDirClaim, RunLog, all_finite, atomic_write, check_run_dir,
                          format_summary, git_sha, list_checkpoints, load_checkpoint, read_metrics, repair_run_dir,
                          resolve_checkpoint_path, run_dir_path, state_digest)
-    from schedule import Schedule, StepSettings, Turn, doubling_stages, overtime_applies
+    from schedule import Schedule, StepSettings, Turn, overtime_applies
     from train_config import (FREQUENCY_COUNT_TOKENS, NOCAP_VAL_ROW, SCHEDULE_STEP_FLAGS, TrainConfig, add_train_flags,
                               given_flags, resized_schedule)
 except KeyboardInterrupt:
@@ -169,32 +169,19 @@ def rms_norm(x: torch.Tensor) -> torch.Tensor:
 class Rotary(nn.Module):
     """cos/sin tables for rotary embedding, computed once for block_size positions. Kept as buffers,
     not recomputed per forward: inside a compiled graph inductor would otherwise fuse the cos/sin
-    math into every rotary kernel of every layer (a quarter of d12's step time). yarn_stages: the windows the
-    local layers widen through (GPTConfig.yarn), each with YaRN's tables and logit scale."""
+    math into every rotary kernel of every layer (a quarter of d12's step time)."""
 
-    def __init__(self, rotary_dim: int, block_size: int, base: float = 10000.0, yarn_stages: tuple[int, ...] = ()):
+    def __init__(self, rotary_dim: int, block_size: int, base: float = 10000.0):
         super().__init__()
         # fp32 throughout, exactly as NoCap builds its tables.
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
-        self.register_tables("", inv_freq, block_size)
-        self.yarn_scales = {}
-        for i, window in enumerate(yarn_stages):
-            freq, self.yarn_scales[window] = yarn_rotary(inv_freq, yarn_stages[:i + 1])
-            self.register_tables(f"_{window}", freq, block_size)
-
-    def register_tables(self, suffix: str, inv_freq: torch.Tensor, block_size: int):
         freqs = torch.outer(torch.arange(block_size).float(), inv_freq)  # (block_size, rotary_dim/2)
-        self.register_buffer("cos" + suffix, freqs.cos(), persistent=False)
-        self.register_buffer("sin" + suffix, freqs.sin(), persistent=False)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 (1, T, 1, rotary_dim/2) tables for positions 0..T-1, broadcast over batch and heads."""
         return self.cos[None, :T, None, :], self.sin[None, :T, None, :]
-
-    def yarn(self, T: int, window: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """YaRN's tables (as forward's) and logit scale for a local layer whose window is at `window` now."""
-        cos, sin = getattr(self, f"cos_{window}"), getattr(self, f"sin_{window}")
-        return cos[None, :T, None, :], sin[None, :T, None, :], self.yarn_scales[window]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -248,15 +235,13 @@ def document_spans(docs: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Masking:
     """What limits attention in one forward pass besides causality and each layer's own window: the local window
-    (the window warmup's in training, eval_window's in evaluation; 0: the model's), each token's document number
-    (doc_mask; None: rows are one stream), FlexAttention's block mask for each window in use (flex only), the
-    documents' spans (varlen only: document_spans), and under YaRN the local layers' rotary tables and logit scale
-    at this window."""
+    (the window warmup's in training; 0: the model's), each token's document number (doc_mask; None: rows are one
+    stream), FlexAttention's block mask for each window in use (flex only), and the documents' spans (varlen only:
+    document_spans)."""
     local_window: int = 0
     docs: torch.Tensor | None = None
     block_masks: dict | None = None
     spans: torch.Tensor | None = None
-    local_rotary: tuple | None = None
 
     def window(self, layer_window: int) -> int:
         return self.local_window if layer_window and self.local_window else layer_window
@@ -425,12 +410,7 @@ class CausalSelfAttention(Attention):
         k = k.view(B, T, c.kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = rms_norm(q), rms_norm(k)
-        logit_scale = 1.0
-        if c.yarn and self.window:  # a local layer: YaRN's tables at this pass's window
-            cos, sin, logit_scale = masking.local_rotary
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if logit_scale != 1.0:
-            q = q * logit_scale
         if c.key_offset and self.window == 0:
             k = offset_keys(k)
         v = v.view(B, T, c.kv_heads, c.head_dim)
@@ -702,8 +682,7 @@ class GPT(nn.Module):
         # targets are only ever targets, so nothing from the future reaches the next-token prediction.
         self.mtp_proj = nn.ModuleList([nn.Linear(config.n_embd, config.n_embd, bias=False)
                                        for _ in range(config.mtp_k)])
-        self.rotary = Rotary(config.rotary_dim, config.block_size,
-                             yarn_stages=self.yarn_stages() if config.yarn else ())
+        self.rotary = Rotary(config.rotary_dim, config.block_size)
         # Bigram table: row bigram_rows(previous, current) joins block i's input times bigram_gains[i]. Made last,
         # so that the other weights draw the same initial values with it or without it; it starts at zero.
         self.bigram_embed = nn.Embedding(config.bigram_table, config.n_embd) if config.bigram_table else None
@@ -827,25 +806,18 @@ class GPT(nn.Module):
         return logits, loss, aux
 
     def masking(self, idx: torch.Tensor, local_window: int) -> Masking:
-        """What the blocks' attention masks: the local window (the warmup's in training, eval_window's in
+        """What the blocks' attention masks: the local window (the warmup's in training, the model's in
         evaluation), the documents (doc_mask), and flex attention's block masks, one per distinct window, or
         varlen attention's document spans."""
         c = self.config
-        masking = Masking(local_window if self.training else c.eval_window,
+        masking = Masking(local_window if self.training else 0,
                           document_ids(idx, c.doc_token) if c.doc_mask else None)
         if c.attn_impl == "flex":  # one mask per distinct window (local and global layers)
             windows = sorted({masking.window(c.layer_window(i)) for i in range(c.n_layer) if c.layer_kind(i) != "S"})
             masking.block_masks = flex_block_masks(idx.size(1), windows, idx.device, c.chunked_windows, masking.docs)
         if c.attn_impl == "varlen":
             masking.spans = document_spans(masking.docs)
-        if c.yarn:
-            masking.local_rotary = self.rotary.yarn(idx.size(1), masking.window(c.window))
         return masking
-
-    def yarn_stages(self) -> tuple[int, ...]:
-        """The windows a local layer widens through: the warmup's, then evaluation's (eval_window)."""
-        c = self.config
-        return (*doubling_stages(c.window), *((c.eval_window,) if c.eval_window else ()))
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """The stream's start (B, T, n_embd): the token embeddings, normed where asked."""
@@ -1458,18 +1430,10 @@ def untie_step(config: GPTConfig, num_iterations: int) -> float:
     return round(config.untie_at * num_iterations) if config.untie_at else math.inf
 
 
-def model_from_checkpoint(path: str, device: torch.device, flag: str = "--checkpoint",
-                          eval_window: int | None = None) -> tuple[GPT, dict]:
-    """The model a checkpoint holds (any variant: its config travels with it), and the checkpoint; eval_window:
-    evaluate it at that local window instead of its own (GPTConfig.eval_window)."""
+def model_from_checkpoint(path: str, device: torch.device, flag: str = "--checkpoint") -> tuple[GPT, dict]:
+    """The model a checkpoint holds (any variant: its config travels with it), and the checkpoint."""
     ckpt = load_checkpoint(path, expected={}, flag=flag)
-    config = GPTConfig(**ckpt["model_config"])
-    if eval_window is not None:
-        try:
-            config = replace(config, eval_window=eval_window)
-        except ValueError as e:
-            raise InputError(f"--eval_window {eval_window}: {e}") from None
-    model = GPT(config)
+    model = GPT(GPTConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     model.untied = ckpt.get("step", 0) > untie_step(model.config, (ckpt.get("flags") or {}).get("num_iterations", 0))
     return model.to(device), ckpt

@@ -37,13 +37,10 @@ def main(argv=None) -> int:
                         "if shorter)")
     p.add_argument("--val_dtype", choices=("fp32", "bf16"), default="fp32", help="fp32: NoCap's protocol")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--eval_window", type=int, default=None,
-                   help="score at this local window instead of the checkpoint's (a model trained with --yarn true: "
-                        "YaRN stretches its rotary to it), e.g. 512 for d12_fast's 256")
     args = p.parse_args(argv)
 
     def run() -> int:
-        model, ckpt = model_from_checkpoint(args.checkpoint, pick_device(args.device), eval_window=args.eval_window)
+        model, ckpt = model_from_checkpoint(args.checkpoint, pick_device(args.device))
         block_size = model.config.block_size
         if args.sequence_length is not None and args.sequence_length < 1:
             raise InputError(f"--sequence_length {args.sequence_length} must be >= 1")

@@ -7,7 +7,7 @@ import torch
 
 from conftest import read_metrics, tiny_run_args, train_flags
 from model_variants import TINY, with_overrides
-from recipe_parts import bigram_rows, offset_keys, yarn_rotary
+from recipe_parts import bigram_rows, offset_keys
 from train_gpt2 import GPT, main, make_optimizer, model_from_checkpoint
 
 BIGRAM = with_overrides(TINY, vocab_size=64, bigram_table=97)
@@ -51,36 +51,14 @@ def test_a_negative_table_size_is_refused():
 def test_a_run_with_the_parts_trains_them_and_its_checkpoint_holds_them(tmp_path, shards, capsys):
     assert main(tiny_run_args(shards, tmp_path, "bg", "--bigram_table", "97", "--attn_gate", "12",
                               "--key_offset", "true", "--z_loss", "1e-4", "--optimizer", "muon", "--window", "16",
-                              "--window_pattern", "LG", "--window_kind", "chunked", "--window_iters", "4",
-                              "--yarn", "true")) == 0
+                              "--window_pattern", "LG", "--window_kind", "chunked", "--window_iters", "4")) == 0
     losses = [r["train_loss"] for r in read_metrics(tmp_path / "bg") if "train_loss" in r]
     assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
     checkpoint = sorted((tmp_path / "bg").glob("ckpt_*.pt"))[-1]
     model, _ = model_from_checkpoint(str(checkpoint), torch.device("cpu"))
-    assert model.config.yarn and model.config.bigram_table == 97
+    assert model.config.key_offset and model.config.bigram_table == 97
     assert model.bigram_embed.weight.abs().sum() > 0  # it trained
     assert model.transformer.h[0].attn.gate.weight.abs().sum() > 0
-
-
-def test_eval_window_scores_a_trained_checkpoint_as_a_run_that_evaluated_at_it(tmp_path, shards, capsys):
-    import sys
-    from conftest import REPO
-    sys.path.insert(0, str(REPO / "scripts"))
-    import eval_checkpoint
-    local = ["--window", "8", "--window_pattern", "LG", "--window_kind", "chunked", "--yarn", "true"]
-    assert main(tiny_run_args(shards, tmp_path, "trained", *local)) == 0
-    assert main(tiny_run_args(shards, tmp_path, "wide", *local, "--eval_window", "16")) == 0
-    losses = {name: [r["val_loss"] for r in read_metrics(tmp_path / name) if "val_loss" in r]
-              for name in ("trained", "wide")}
-    assert losses["trained"][-1] != losses["wide"][-1]
-    checkpoint = str(sorted((tmp_path / "trained").glob("ckpt_*.pt"))[-1])
-    capsys.readouterr()
-    flags = ["--checkpoint", checkpoint, "--val_bin", shards[1], "--val_tokens", "256", "--val_batch_size", "2",
-             "--sequence_length", "32", "--device", "cpu"]
-    assert eval_checkpoint.main([*flags, "--eval_window", "16"]) == 0  # the same weights: training did not differ
-    assert capsys.readouterr().out.strip() == f"val_loss: {losses['wide'][-1]:.6f}"
-    assert eval_checkpoint.main([*flags, "--eval_window", "12"]) == 2
-    assert capsys.readouterr().err.startswith("error: --eval_window 12: eval_window=12 stretches YaRN's rotary")
 
 
 def test_the_attention_gate_starts_at_half_and_lets_each_head_say_nothing():
@@ -237,74 +215,3 @@ def test_the_later_targets_of_a_grouped_sample_are_scored_group_by_group():
     torch.testing.assert_close(objective, (halves[0][0] + halves[1][0]) / 2)
     torch.testing.assert_close(loss, (halves[0][1] + halves[1][1]) / 2)
     assert objective > loss  # the later target's term on top of the next token's
-
-
-def test_yarn_slows_the_pairs_that_turned_less_than_once_keeps_the_fast_and_blends_those_between():
-    slow, fast = 1e-4, 2 * math.pi * 40 / 64  # 0.001 and 40 turns across a window of 64
-    middle = 2 * math.pi * 16.5 / 64  # 16.5 turns: kept half, so 0.5 + 0.5 * 0.5 of its speed over 64 -> 128
-    then = 0.5 + 0.5 * (2 * 0.75 * 16.5 - 1) / 31  # 24.75 turns across 128 at that speed, over 128 -> 256
-    freq, scale = yarn_rotary(torch.tensor([slow, middle, fast], dtype=torch.float64), (64, 128, 256))
-    torch.testing.assert_close(freq, torch.tensor([slow / 4, middle * 0.75 * then, fast], dtype=torch.float64))
-    assert scale == pytest.approx((1 + 0.2 * math.log(2)) ** 2)
-    assert yarn_rotary(torch.tensor([slow]), (64,)) == (torch.tensor([slow]), 1.0)  # the first window: unchanged
-
-
-def test_yarn_changes_only_the_local_layers_rotary_and_logit_scale_and_nothing_at_the_first_window(monkeypatch):
-    import train_gpt2
-    config = with_overrides(TINY, window=16, window_pattern="L", window_kind="chunked", block_size=64)
-    idx = torch.randint(0, config.vocab_size, (2, 64))
-
-    def loss(yarn: bool, local_window: int, weights=None):
-        torch.manual_seed(0)
-        model = GPT(with_overrides(config, yarn=yarn))
-        if weights:
-            model.load_state_dict(weights)
-        return model(idx, idx, local_window=local_window)[1], model
-    for window in (4, 8, 16):  # at the first window YaRN has not changed anything yet
-        assert torch.equal(loss(True, window)[0], loss(False, window)[0]) == (window == 4)
-    # Slowed pairs alone: the plain model with tables of the slowed speeds (global layers keep theirs: none here).
-    monkeypatch.setattr(train_gpt2, "yarn_rotary", lambda inv_freq, stages: (inv_freq / len(stages), 1.0))
-    model = loss(False, 16)[1]
-    model.rotary.register_tables("", 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)) / 3,
-                                 model.rotary.cos.size(0))
-    torch.testing.assert_close(loss(True, 16)[0], model(idx, idx, local_window=16)[1])
-    # The logit scale alone: the plain model with its queries' weights scaled as much.
-    monkeypatch.setattr(train_gpt2, "yarn_rotary", lambda inv_freq, stages: (inv_freq, 2.0))
-    weights = {name: torch.cat([w[:64] * 2, w[64:]]) if name.endswith("c_attn.weight") else w  # queries' rows
-               for name, w in model.state_dict().items()}
-    torch.testing.assert_close(loss(True, 16)[0], loss(False, 16, weights)[0])
-
-
-def test_eval_window_evaluates_a_wider_window_on_yarns_stretched_rotary_and_leaves_training_alone(monkeypatch):
-    import train_gpt2
-    monkeypatch.setattr(train_gpt2, "yarn_rotary", lambda inv_freq, stages: (inv_freq / len(stages), 1.5))
-    config = with_overrides(TINY, window=16, window_pattern="L", window_kind="chunked", block_size=64, yarn=True)
-    idx = torch.randint(0, config.vocab_size, (2, 64))
-
-    def model(**changes):
-        torch.manual_seed(0)
-        return GPT(with_overrides(config, **changes))
-    trained, wide = model(), model(eval_window=32)
-    assert torch.equal(trained(idx, idx, local_window=16)[1], wide(idx, idx, local_window=16)[1])  # training: as is
-    trained.eval(), wide.eval()
-    assert not torch.equal(trained(idx, idx)[1], wide(idx, idx)[1])
-    # Evaluation: the plain model at window 32 with the tables of four stages (4, 8, 16, 32) and its queries' weights
-    # scaled by the logit scale.
-    plain = model(yarn=False, window=32).eval()
-    plain.rotary.register_tables("", 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)) / 4,
-                                 plain.rotary.cos.size(0))
-    plain.load_state_dict({name: torch.cat([w[:64] * 1.5, w[64:]]) if name.endswith("c_attn.weight") else w
-                           for name, w in wide.state_dict().items()})
-    torch.testing.assert_close(wide(idx, idx)[1], plain(idx, idx)[1])
-
-
-@pytest.mark.parametrize("changes", [dict(yarn=False), dict(eval_window=24), dict(eval_window=16)])
-def test_eval_window_is_refused_without_yarn_or_off_the_windows_multiples(changes):
-    with pytest.raises(ValueError, match="eval_window=.* stretches YaRN's rotary past the trained window"):
-        with_overrides(TINY, **{"window": 16, "window_pattern": "L", "yarn": True, "eval_window": 32, **changes})
-
-
-def test_yarn_is_refused_without_a_local_layer():
-    for changes in (dict(), dict(window=16, window_pattern="G"), dict(window=16, kv_lora_rank=8, n_kv_head=0)):
-        with pytest.raises(ValueError, match="yarn re-tunes the local layers' per-head rotary"):
-            with_overrides(TINY, yarn=True, **changes)
