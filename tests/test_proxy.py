@@ -39,7 +39,7 @@ def test_p40_schedules_are_the_reference_run_and_d12_fasts_measured_form():
     # d12_fast's P40 run: the flags of the P40 measurements in docs/RESULTS.md, with the recipe's window warmup
     # and its cooldown over the whole run.
     _, fast = trainer_view("P40", "d12_fast")
-    measured = dict(optimizer="muon", muon_lr=0.03, muon_momentum_warmup=60, learning_rate=0.008,
+    measured = dict(optimizer="muon", muon_lr=0.045, muon_momentum_warmup=60, learning_rate=0.008,
                     scalar_lr=0.04, weight_decay=0.0, grad_accumulation_steps=1, num_iterations=200,
                     warmup_iters=0, warmdown_iters=200, lr_floor=0.1, val_loss_every=20, total_batch_size=None,
                     batch_size=32, sequence_length=1024, val_batch_size=16, window_iters=131)
