@@ -340,7 +340,7 @@ RECIPES: dict[str, dict] = {
 }
 
 
-# Fields that left GPTConfig (parts measured flat on P100; docs/RESULTS.md names the commit that has each), with the
+# Fields that left GPTConfig (parts that did not pay on P100; docs/RESULTS.md names the commit that has each), with the
 # value that meant "off": a checkpoint written before holds them, and loads where they are off.
 REMOVED_FIELDS = {"value_embed_gate": 0, "smear_gate": 0, "backout": 0, "paired_heads": "", "dense_inputs": "",
                   "hyper_streams": 0, "yarn": False, "eval_window": 0}
