@@ -519,7 +519,7 @@ def test_a_checkpoint_holding_a_removed_field_loads_where_it_is_off_and_is_refus
         ckpt["model_config"] = {**ckpt["model_config"], **fields}
         torch.save({**ckpt, "digest": state_digest(ckpt)}, tmp_path / name)
         return str(tmp_path / name)
-    off = written_before("off.pt", smear_gate=0, paired_heads="", hyper_streams=0)
+    off = written_before("off.pt", smear_gate=0, paired_heads="", hyper_streams=0, yarn=False, eval_window=0)
     model, _ = model_from_checkpoint(off, torch.device("cpu"))
     assert torch.equal(model.lm_head.weight, saved["model"]["lm_head.weight"])
     capsys.readouterr()
