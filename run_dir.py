@@ -296,13 +296,14 @@ def differences(have: dict, want: dict, limit: int = 6) -> str:
     return "; ".join(changed[:limit]) + more
 
 
-def current_model_config(saved: dict, path: str, flag: str) -> dict:
-    """A checkpoint's model config less the fields GPTConfig no longer has, each of which it may hold only off."""
-    for name, off in REMOVED_FIELDS.items():
+def current_fields(saved: dict, removed: dict, path: str, flag: str) -> dict:
+    """A checkpoint's config (its model's or its flags) less the fields this trainer no longer has, `removed`
+    (each with the value that meant off), each of which it may hold only off."""
+    for name, off in removed.items():
         if saved.get(name, off) != off:
             raise InputError(f"{flag}: {path} was trained with {name}={saved[name]!r}, which this trainer no longer "
                              "has; use the commit that wrote it (config.json's git_sha)")
-    return {name: value for name, value in saved.items() if name not in REMOVED_FIELDS}
+    return {name: value for name, value in saved.items() if name not in removed}
 
 
 def load_checkpoint(path: str, expected: dict, flag: str = "--resume") -> dict:
@@ -325,7 +326,7 @@ def load_checkpoint(path: str, expected: dict, flag: str = "--resume") -> dict:
         raise InputError(f"{flag}: {path} does not match the digest it carries: the file is damaged (a run keeps "
                          "only its newest checkpoint; remove it, and --resume auto starts the run over)")
     if "model_config" in ckpt:
-        ckpt["model_config"] = current_model_config(ckpt["model_config"], path, flag)
+        ckpt["model_config"] = current_fields(ckpt["model_config"], REMOVED_FIELDS, path, flag)
     for key, want in expected.items():
         have = ckpt.get(key)
         if have != want:

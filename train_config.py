@@ -104,13 +104,6 @@ class TrainConfig:
                 "glob of training shards, read in sorted order (get them: python data/fineweb.py)")
     input_val_bin: str = flag("data", "data/fineweb10B/fineweb_val_*.bin",
                 "glob of validation shards; the first --val_tokens tokens of the first one are scored")
-    document_rows: bool = flag("data", False,
-                "every training row begins at a document's first token (<|endoftext|>): each row at the first "
-                "document start after the previous one ends, a document's tail past its row's end skipped",
-                action="store_true")
-    longest_document: int = flag("data", 0,
-                "with --document_rows: each document cut to its first this many tokens before the rows are laid, "
-                "its tail skipped (e.g. 2048; 0: only a row's end cuts one)")
     val_tokens: int = flag("data", NOCAP_VAL_TOKENS,
                 "validation tokens per evaluation; keep the default to compare with NoCap-Test")
 
@@ -316,9 +309,6 @@ class TrainConfig:
         """This config, checked against itself and its model (InputError names the flag and the fix); a sampled
         softmax as large as the vocabulary becomes the full softmax (a recipe's, under a smaller --vocab_size)."""
         self.check_flags()
-        if self.longest_document < 0 or (self.longest_document and not self.document_rows):
-            raise InputError(f"--longest_document {self.longest_document}: a number of tokens >= 1 that cuts the "
-                             "documents of --document_rows; pass --document_rows with it (0: off)")
         self.check_window_warmup(config)
         return self.check_sampled_softmax(config)
 

@@ -44,8 +44,8 @@ try:  # a few seconds of loading torch: Ctrl-C there is a stop, not a traceback 
                             with_tokens_dropped)
     from recipe_parts import bigram_rows, offset_keys
     from run_dir import (CHECKPOINT_FORMAT, RunDirClaim, RunLog, all_finite, atomic_write, check_run_dir,
-                         format_summary, git_sha, list_checkpoints, load_checkpoint, read_metrics, repair_run_dir,
-                         resolve_checkpoint_path, run_dir_path, state_digest)
+                         current_fields, format_summary, git_sha, list_checkpoints, load_checkpoint, read_metrics,
+                         repair_run_dir, resolve_checkpoint_path, run_dir_path, state_digest)
     from schedule import Schedule, StepSettings, Turn, overtime_applies
     from train_config import (FREQUENCY_COUNT_TOKENS, NOCAP_VAL_ROW, SCHEDULE_STEP_FLAGS, TrainConfig, add_train_flags,
                               given_flags, resized_schedule)
@@ -994,12 +994,8 @@ class TokenLoader:
 
     def _set_position(self, shard: int, position: int):
         if getattr(self, "shard", None) != shard:
-            self.tokens = self._walked_tokens(load_shard(self.files[shard], self.vocab_size))
+            self.tokens = load_shard(self.files[shard], self.vocab_size)
         self.shard, self.position = shard, position
-
-    def _walked_tokens(self, tokens: np.ndarray) -> np.ndarray:
-        """The tokens of a shard that the walk reads: all of them."""
-        return tokens
 
     def _advance(self, shard: int, position: int) -> tuple[int, int]:
         """Where the walk is after one batch handed out at (shard, position)."""
@@ -1063,64 +1059,6 @@ class TokenLoader:
         self._set_position(shard, position)
         self.batches_drawn += 1
         return batch
-
-
-def cut_documents(tokens: np.ndarray, doc_token: int, longest: int) -> np.ndarray:
-    """The documents of tokens (each from a doc_token to the next) cut to their first `longest` tokens, in order;
-    tokens before the first document start are left out."""
-    firsts = np.flatnonzero(tokens == doc_token)
-    ends = np.minimum(np.append(firsts[1:], len(tokens)), firsts + longest)
-    return np.concatenate([tokens[s:e] for s, e in zip(firsts, ends)]) if len(firsts) else tokens[:0]
-
-
-def document_row_starts(tokens: np.ndarray, T: int, doc_token: int) -> np.ndarray:
-    """Where rows of T tokens (and one more, the last target) begin when each begins at a document's first token:
-    each at the first document start at or after the previous row's end, so a document's tail past its row's end
-    is skipped, and a document longer than a row is cut to it."""
-    firsts, starts, i = np.flatnonzero(tokens == doc_token), [], 0
-    while i < len(firsts) and firsts[i] + T < len(tokens):
-        starts.append(firsts[i])
-        i = np.searchsorted(firsts, firsts[i] + T)
-    return np.array(starts, dtype=np.int64)
-
-
-class DocumentRowLoader(TokenLoader):
-    """TokenLoader's walk with every row beginning at a document's first token, <|endoftext|> (--document_rows;
-    BOS-aligned rows, as modded-nanogpt's loaders since 2025-07): a shard's rows are laid by document_row_starts,
-    and in round k rank r takes rows (k*world + r)*B on, B of them; a shard is left as soon as the next round
-    would not fit. The position is the index of this process's first row. With `longest` (--longest_document),
-    the rows are laid over the shard's documents each cut to that many tokens (cut_documents)."""
-
-    def __init__(self, *args, doc_token: int, longest: int = 0, **kwargs):
-        self.doc_token, self.longest, self.row_starts = doc_token, longest, []  # row_starts: by _check_room
-        super().__init__(*args, **kwargs)
-
-    def _walked_tokens(self, tokens: np.ndarray) -> np.ndarray:
-        return cut_documents(tokens, self.doc_token, self.longest) if self.longest else tokens
-
-    def _check_room(self, shard: int):
-        super()._check_room(shard)
-        tokens = np.memmap(self.files[shard], np.uint16, "r", HEADER_BYTES, (self.shard_tokens[shard],))
-        self.row_starts.append(document_row_starts(self._walked_tokens(tokens), self.T, self.doc_token))
-        if len(self.row_starts[shard]) < self.world_size * self.B:
-            raise InputError(f"{self.files[shard]}: {len(self.row_starts[shard])} rows of {self.T} begin at a document "
-                             f"start (token {self.doc_token}), fewer than one round (world_size*B = "
-                             f"{self.world_size * self.B}); --document_rows needs shards of whole documents")
-
-    def _first_position(self) -> int:
-        return self.rank * self.B
-
-    def _advance(self, shard: int, position: int) -> tuple[int, int]:
-        round_rows = self.world_size * self.B
-        next_round = position - self.rank * self.B + round_rows  # the same on every process
-        if next_round + round_rows > len(self.row_starts[shard]):
-            return (shard + 1) % len(self.files), self._first_position()
-        return shard, next_round + self.rank * self.B
-
-    def _read_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = self.row_starts[self.shard][self.position: self.position + self.B]
-        rows = tokens_to_device(np.stack([self.tokens[s: s + self.T + 1] for s in starts]), self.device)
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
 class ValidationSet:
@@ -1608,9 +1546,7 @@ def open_data(flags: TrainConfig, config: GPTConfig, env: Distributed
     """The training loader, the validation rows, and (where those are longer) the same tokens in NoCap's
     1024-token rows: NoCap scores 1024-token rows, longer ones give most tokens more context, both are reported."""
     B, T = flags.batch_size, flags.sequence_length
-    loader = dict(doc_token=config.doc_token, longest=flags.longest_document) if flags.document_rows else {}
-    train_loader = (DocumentRowLoader if flags.document_rows else TokenLoader)(
-        flags.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device, **loader)
+    train_loader = TokenLoader(flags.input_bin, B, T, env.rank, env.world_size, config.vocab_size, env.device)
     val = ValidationSet(flags.input_val_bin, flags.val_tokens, flags.val_batch_size, flags.val_row_length, env.rank,
                         env.world_size, config.vocab_size, env.device)
     nocap_val = None
@@ -1625,6 +1561,9 @@ def open_data(flags: TrainConfig, config: GPTConfig, env: Distributed
 NOT_TRAINING_FLAGS = {"output_dir", "run_name", "resume", "resume_new_data", "device", "compile", "compile_tuning",
                       "memory_cap_gib", "save_every", "log_wandb", "model", "batch_size",
                       "sequence_length", "grad_accumulation_steps", "total_batch_size"}
+# Training flags that left the trainer, with the value that meant off: a checkpoint written with one on would walk
+# other data or train otherwise from here, so a resume takes it only where it was off.
+REMOVED_FLAGS = {"document_rows": False, "longest_document": 0}
 
 
 def resumed_flags(ckpt: dict, path: str, flags: TrainConfig, data: list) -> str:
@@ -1635,6 +1574,7 @@ def resumed_flags(ckpt: dict, path: str, flags: TrainConfig, data: list) -> str:
     theirs = ckpt.get("flags")
     if theirs is None:
         return ""
+    theirs = current_fields(theirs, REMOVED_FLAGS, path, "--resume")
     if theirs["optimizer"] != flags.optimizer:
         raise InputError(f"--optimizer {flags.optimizer}: {path} holds the state of --optimizer {theirs['optimizer']}, "
                          f"which {flags.optimizer} cannot take; resume with --optimizer {theirs['optimizer']}, or "

@@ -14,7 +14,7 @@ the project's own command (the scripts with SETUP=0: the machine is set up, the 
     throughput     throughput.sh for d12_fast and d12
     nocap job      train.sh --model d12_nocap: SOAP (its bases refreshed), the curriculum, self-sized, as the main job
     P100 <model>   proxy.py's P100 form of each recipe, with its FineWeb checks; "P100 parts": d12_fast with every
-                   part its recipe leaves off (their GPU paths: the multi-target head, the untie, document rows);
+                   part its recipe leaves off (their GPU paths: the multi-target head, the untie);
                    "P100 nocap_parts": d12_nocap with the papers' parts it leaves off
     calibrate      calibrate.py run on a tiny budget (with --record: a folder of modded-nanogpt's records)
     profile        profile_model.py --compile at d12_fast's micro-batch
@@ -46,7 +46,7 @@ from common import ArgumentParser, InputError  # noqa: E402
 
 # The parts d12_fast's recipe leaves off, all on at once: their GPU paths, at the recipe's micro-batch of 8 rows of
 # 4,096 tokens. A small bigram table keeps them all under a 24 GB card's cap.
-PARTS = "--later_targets 0.5,0.25 --untie_at 0.5 --document_rows --longest_document 2048 --bigram_table 4096"
+PARTS = "--later_targets 0.5,0.25 --untie_at 0.5 --bigram_table 4096"
 # The papers' parts d12_nocap's recipe leaves off, on its SOAP: attention within documents by the varlen flash
 # kernel, QK-norm, soft-capped logits, value residual, z-loss.
 NOCAP_PARTS = "--doc_mask true --attn_impl varlen --qk_norm true --logit_softcap 30 --value_residual true --z_loss 1e-4"

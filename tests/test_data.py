@@ -9,8 +9,7 @@ from conftest import make_shards
 from data.shards import HEADER_BYTES, SHARD_MAGIC, load_shard, read_shard_header, write_shard
 from common import InputError
 from model_variants import GPTConfig
-from train_gpt2 import (GPT, DocumentRowLoader, TokenLoader, ValidationSet, cut_documents, document_row_starts,
-                        evaluate)
+from train_gpt2 import GPT, TokenLoader, ValidationSet, evaluate
 
 CPU = torch.device("cpu")
 
@@ -154,45 +153,6 @@ def test_prefetched_batches_are_the_walks_and_leave_it_alone(tmp_path):
     torch.testing.assert_close(prefetching.next_batch(), plain.next_batch())
 
 
-def test_document_rows_begin_at_the_first_document_start_after_the_previous_row():
-    tokens = np.zeros(40, dtype=np.uint16)
-    tokens[[0, 3, 9, 10, 22, 31, 35]] = 9  # document starts (the document token is 9 here)
-    # Rows of 8 (and their last target): at 0; at the first start at or after 8, 9; at or after 17, 22 (the
-    # document from 10 is read to that row's end, its tail skipped); at or after 30, 31, whose row ends at the
-    # last token (35 lies inside it).
-    assert document_row_starts(tokens, 8, 9).tolist() == [0, 9, 22, 31]
-    assert document_row_starts(tokens, 8, 7).tolist() == []  # no document starts: no rows
-
-
-@pytest.mark.parametrize("rank, world", [(0, 1), (1, 2)])
-def test_the_document_row_walk_hands_out_whole_rounds_of_aligned_rows(tmp_path, rank, world):
-    train_glob, _ = make_shards(tmp_path, n_train=2, train_tokens=3000)  # random tokens: a start every ~256
-    shards = [load_shard(str(tmp_path / f"syn_train_{i:06d}.bin"), 256).astype(np.int64) for i in (1, 2)]
-    starts = [document_row_starts(shard, 16, 255) for shard in shards]
-    rounds = [len(s) // (2 * world) for s in starts]  # whole rounds of 2 * world rows per shard
-    expected = []  # each batch's two rows of 17 (16 and the last target), round by round, shard by shard
-    for shard in (0, 1):
-        for k in range(rounds[shard]):
-            first = k * 2 * world + rank * 2
-            expected.append(np.stack([shards[shard][s: s + 17] for s in starts[shard][first: first + 2]]))
-    loader = DocumentRowLoader(train_glob, 2, 16, rank, world, 256, CPU, doc_token=255)
-    for rows in expected + expected[:1]:  # and around again
-        x, y = loader.next_batch()
-        np.testing.assert_array_equal(x.numpy(), rows[:, :-1])
-        np.testing.assert_array_equal(y.numpy(), rows[:, 1:])
-        assert (x[:, 0] == 255).all()
-    skipped = DocumentRowLoader(train_glob, 2, 16, rank, world, 256, CPU, doc_token=255)
-    skipped.skip(len(expected) - 1)  # a resume replays the walk
-    np.testing.assert_array_equal(skipped.next_batch()[0].numpy(), expected[-1][:, :-1])
-
-
-def test_a_shard_without_enough_document_starts_is_refused_by_name(tmp_path):
-    train_glob, _ = make_shards(tmp_path, n_train=1, train_tokens=3000)
-    expected = r"syn_train_000001.bin: 0 rows of 16 begin at a document start \(token 7000\)"
-    with pytest.raises(InputError, match=expected):
-        DocumentRowLoader(train_glob, 2, 16, 0, 1, 256, CPU, doc_token=7000)
-
-
 def test_shard_smaller_than_a_batch_round_is_refused(tmp_path):
     train_glob, _ = make_shards(tmp_path, n_train=1, train_tokens=100)
     with pytest.raises(InputError, match="fewer than one batch round"):
@@ -241,43 +201,3 @@ def test_validation_tokens_that_do_not_fill_the_last_round_are_scored_in_a_small
                            for x, y in ValidationSet(val_glob, 7 * T, 7, T, 0, 1, 256, CPU)])
     assert evaluate(model, alone, 1) == pytest.approx(per_token.mean().item(), rel=1e-6)
     assert HEADER_BYTES == 1024
-
-
-def test_the_trainer_reads_document_rows_under_its_flag(tmp_path):
-    from argparse import Namespace
-    from conftest import train_flags
-    from train_gpt2 import open_data
-    train_glob, val_glob = make_shards(tmp_path, n_train=1, train_tokens=3000)
-    argv = ["--input_bin", train_glob, "--input_val_bin", val_glob, "--batch_size", "2", "--sequence_length", "16",
-            "--val_tokens", "256", "--val_batch_size", "2"]
-    env = Namespace(rank=0, world_size=1, device=CPU)
-    config = GPTConfig(vocab_size=256, n_layer=1, n_head=1, n_embd=8, block_size=16)
-    plain, _, _ = open_data(train_flags(*argv), config, env)
-    aligned, _, _ = open_data(train_flags(*argv, "--document_rows"), config, env)
-    assert type(plain) is TokenLoader and isinstance(aligned, DocumentRowLoader) and aligned.longest == 0
-    assert (aligned.next_batch()[0][:, 0] == config.doc_token).all()
-    cut, _, _ = open_data(train_flags(*argv, "--document_rows", "--longest_document", "40"), config, env)
-    assert cut.longest == 40
-    with pytest.raises(InputError, match="--longest_document 40: .* pass --document_rows with it"):
-        train_flags(*argv, "--longest_document", "40").checked(config)
-
-
-def test_documents_cut_to_the_longest_keep_their_heads_in_order():
-    tokens = np.array([5, 9, 1, 2, 3, 4, 9, 6, 9, 7, 8, 1, 2], dtype=np.uint16)  # 9 begins each document
-    assert cut_documents(tokens, 9, 3).tolist() == [9, 1, 2, 9, 6, 9, 7, 8]  # the 5 before the first start left out
-    assert cut_documents(tokens, 9, 100).tolist() == tokens[1:].tolist()
-    assert cut_documents(tokens, 4, 2).tolist() == [4, 9]
-
-
-def test_document_rows_over_cut_documents_never_hold_a_longer_document(tmp_path):
-    train_glob, val_glob = make_shards(tmp_path, n_train=1, train_tokens=3000)
-    shard = load_shard(str(tmp_path / "syn_train_000001.bin"), 256).astype(np.int64)
-    walked = cut_documents(shard, 255, 24)
-    starts = document_row_starts(walked, 16, 255)
-    loader = DocumentRowLoader(train_glob, 2, 16, 0, 1, 256, CPU, doc_token=255, longest=24)
-    for k in range(3):
-        x, y = loader.next_batch()
-        rows = np.stack([walked[s: s + 17] for s in starts[2 * k: 2 * k + 2]])
-        np.testing.assert_array_equal(x.numpy(), rows[:, :-1])
-        for row in rows:  # every document start in the row is at most 24 tokens after the one before
-            assert np.diff(np.flatnonzero(row == 255)).max(initial=0) <= 24

@@ -177,8 +177,7 @@ def test_total_batch_size_derives_accumulation(tmp_path, shards, capsys):
                                        "soap --soap_update_every 3 --mlp_act swiglu",  # in pieces
                                        "muon --normuon_beta2 0.95 --cautious_weight_decay 1.2",
                                        "adamw --sampled_softmax 64",
-                                       "muon --untie_at 0.375", "adamw --untie_at 0.75",  # untied before / after 4
-                                       "adamw --document_rows"])
+                                       "muon --untie_at 0.375", "adamw --untie_at 0.75"])  # untied before / after 4
 def test_resume_from_a_periodic_checkpoint_gives_the_uninterrupted_losses(tmp_path, shards, capsys, monkeypatch,
                                                                            optimizer):
     import train_gpt2
@@ -508,18 +507,20 @@ def test_a_damaged_copy_of_a_checkpoint_is_refused_by_the_digest_it_carries(tmp_
     assert not (tmp_path / "b").exists()
 
 
-def test_a_checkpoint_holding_a_removed_field_loads_where_it_is_off_and_is_refused_where_on(tmp_path, shards, capsys):
+def test_a_checkpoint_holding_a_removed_field_or_flag_loads_only_where_it_is_off(tmp_path, shards, capsys):
     from run_dir import state_digest
     from train_gpt2 import model_from_checkpoint
     assert main(tiny_run_args(shards, tmp_path, "a", "--num_iterations", "8", "--save_every", "4")) == 0
     saved = torch.load(next((tmp_path / "a").glob("ckpt_*.pt")), weights_only=True)
 
-    def written_before(name: str, **fields):  # the checkpoint as a trainer that still had these fields wrote it
+    def written_before(name: str, flags=(), **fields):  # as a trainer that still had these fields and flags wrote it
         ckpt = {k: v for k, v in saved.items() if k != "digest"}
         ckpt["model_config"] = {**ckpt["model_config"], **fields}
+        ckpt["flags"] = {**ckpt["flags"], **dict(flags)}
         torch.save({**ckpt, "digest": state_digest(ckpt)}, tmp_path / name)
         return str(tmp_path / name)
-    off = written_before("off.pt", smear_gate=0, paired_heads="", hyper_streams=0, yarn=False, eval_window=0)
+    off = written_before("off.pt", dict(document_rows=False, longest_document=0), smear_gate=0, paired_heads="",
+                         hyper_streams=0, yarn=False, eval_window=0)
     model, _ = model_from_checkpoint(off, torch.device("cpu"))
     assert torch.equal(model.lm_head.weight, saved["model"]["lm_head.weight"])
     capsys.readouterr()
@@ -532,7 +533,11 @@ def test_a_checkpoint_holding_a_removed_field_loads_where_it_is_off_and_is_refus
                     "the commit that wrote it (config.json's git_sha)")
     with pytest.raises(InputError, match="^--checkpoint: .* was trained with hyper_streams=2"):
         model_from_checkpoint(on, torch.device("cpu"))
-    assert not (tmp_path / "c").exists()
+    rows = written_before("rows.pt", dict(document_rows=True, longest_document=2048))  # another walk of the data
+    line = error_line(capsys, tiny_run_args(shards, tmp_path, "d", "--num_iterations", "8", "--resume", rows))
+    assert line.startswith(f"error: --resume: {rows} was trained with document_rows=True, which this trainer no longer")
+    assert model_from_checkpoint(rows, torch.device("cpu"))[1]["step"] == saved["step"]  # its model is a model
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
 
 
 def test_the_digest_covers_every_tensor_byte_and_value_of_a_checkpoint():
