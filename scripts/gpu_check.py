@@ -22,9 +22,9 @@ the project's own command (the scripts with SETUP=0: the machine is set up, the 
 
 It prints a table (check, status, peak GPU memory, seconds) and exits 1 if any check fails. A Python tool runs
 under the cap through this script (the trainer caps itself: --memory_cap_gib); peak memory is the trainer's
-summary or the tool's torch.cuda.max_memory_allocated. Checks of one group run in order, groups side by side
-(--jobs: their times share the GPU); the throughput check runs last, alone on the GPU, so that its tokens/s
-(its runs' summaries under WORK/throughput-*/) are its own.
+summary or the tool's torch.cuda.max_memory_allocated. Checks of one group run in order, groups side by side,
+each on the least busy GPU (--jobs per GPU: their times share it; torchrun's check sees every GPU); the throughput
+check runs last, alone, so that its tokens/s (its runs' summaries under WORK/throughput-*/) are its own.
 """
 
 import glob
@@ -36,6 +36,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class Check:
     runs: list[str] = field(default_factory=list)  # globs of run directories whose summary.json holds a peak
     stop_after_steps: int = 0  # SIGTERM once the first run has logged this many steps (the resume check)
     expect_exit: int = 0
+    every_gpu: bool = False  # it sees every GPU (torchrun's processes); the others, one each
 
 
 @dataclass
@@ -156,13 +158,39 @@ def checks(args) -> list[list[Check]]:
     groups = [calibrate, p100[-1:], resume, main_group, baseline, nocap, *([c] for c in reversed(p100[:-1])), profile]
     if gpu_count() >= 2:
         groups.append([Check("torchrun x2", ["env", "NPROC=2", *main_job(data, work, "torchrun", cap, steps=24)],
-                             [os.path.join(work, "torchrun")])])
+                             [os.path.join(work, "torchrun")], every_gpu=True)])
     return [group for group in groups if group] + [throughput]  # the last group runs alone
 
 
 def gpu_count() -> int:
     import torch
     return torch.cuda.device_count()
+
+
+class GpuSlots:
+    """Which GPU a group of checks runs on: the one running the fewest groups, so that --jobs groups share each
+    GPU. `devices`: the visible GPUs' CUDA_VISIBLE_DEVICES names ([None] without a GPU: nothing is pinned)."""
+
+    def __init__(self, devices: list[str | None]):
+        self.running = dict.fromkeys(devices, 0)
+        self.lock = threading.Lock()
+
+    def take(self) -> str | None:
+        with self.lock:
+            device = min(self.running, key=self.running.get)  # the first of the least busy
+            self.running[device] += 1
+            return device
+
+    def give_back(self, device: str | None):
+        with self.lock:
+            self.running[device] -= 1
+
+
+def visible_gpus() -> list[str | None]:
+    """The GPUs this process sees, as CUDA_VISIBLE_DEVICES names them (ids or UUIDs); [None] without one."""
+    count = gpu_count()
+    named = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return (named[:count] if named else [str(i) for i in range(count)]) or [None]
 
 
 def peak_of(check: Check, peak_file: str) -> float | None:
@@ -187,11 +215,14 @@ def logged_steps(runs: str) -> int:
     return steps
 
 
-def run_check(check: Check, logs: str) -> Outcome:
-    """One check: its command, its exit code against the one expected, its peak memory and time."""
+def run_check(check: Check, logs: str, gpu: str | None = None) -> Outcome:
+    """One check (on `gpu` alone, unless it sees every GPU): its command, its exit code against the one expected,
+    its peak memory and time."""
     log_path = os.path.join(logs, check.name.replace(" ", "_").replace(":", "") + ".log")
     peak_file = log_path.removesuffix(".log") + ".peak"
     env = dict(os.environ, SETUP="0", PYTHONUNBUFFERED="1", **{PEAK_FILE: peak_file})
+    if gpu is not None and not check.every_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     start = time.perf_counter()
     with open(log_path, "w") as log:
         log.write(shlex.join(check.command) + "\n")
@@ -225,11 +256,15 @@ def failure_line(lines: list[str]) -> str | None:
     return exception.strip()[:200] if exception else None
 
 
-def run_group(group: list[Check], logs: str) -> list[Outcome]:
-    outcomes = []
-    for check in group:
-        outcomes.append(run_check(check, logs))
-        print(format_row(outcomes[-1]), flush=True)
+def run_group(group: list[Check], logs: str, slots: GpuSlots) -> list[Outcome]:
+    """A group's checks in order, on the least busy GPU."""
+    gpu, outcomes = slots.take(), []
+    try:
+        for check in group:
+            outcomes.append(run_check(check, logs, gpu))
+            print(format_row(outcomes[-1]), flush=True)
+    finally:
+        slots.give_back(gpu)
     return outcomes
 
 
@@ -253,7 +288,7 @@ def main(argv=None) -> int:
     p.add_argument("--record", default=None, help="a folder of modded-nanogpt's records/track_1_short/ for the "
                    "calibration check (without it, that check is left out)")
     p.add_argument("--work", default=None, help="runs and logs (default logs/gpu-check-<time>)")
-    p.add_argument("--jobs", type=int, default=1, help="groups of checks run side by side")
+    p.add_argument("--jobs", type=int, default=1, help="groups of checks run side by side on each GPU")
     p.add_argument("--cap_gib", type=float, default=22.0, help="GPU memory each process may use (a 24 GB card's)")
     args = p.parse_args(argv)
     try:
@@ -275,9 +310,10 @@ def main(argv=None) -> int:
     os.makedirs(logs, exist_ok=True)
     os.environ["OUTPUT_DIR"] = args.work  # throughput.sh writes its runs there
     *side_by_side, alone = checks(args)
-    with ThreadPoolExecutor(args.jobs) as pool:
-        outcomes = [o for result in pool.map(lambda g: run_group(g, logs), side_by_side) for o in result]
-    outcomes += run_group(alone, logs)
+    slots = GpuSlots(visible_gpus())
+    with ThreadPoolExecutor(args.jobs * len(slots.running)) as pool:
+        outcomes = [o for result in pool.map(lambda g: run_group(g, logs, slots), side_by_side) for o in result]
+    outcomes += run_group(alone, logs, slots)
     if not args.record:
         outcomes.append(Outcome("calibrate", "skipped (no --record)", None, 0.0))
     if gpu_count() < 2:

@@ -125,3 +125,30 @@ def test_a_failure_is_told_by_its_error_line_or_the_exception_its_first_tracebac
         "error: --batch_size 3: too large"
     assert gpu_check.failure_line(["step 1", "step 2"]) is None
     assert len(gpu_check.failure_line(["Traceback (most recent call last):", "E: " + "x" * 300])) == 200
+
+
+def test_groups_spread_over_the_visible_gpus_and_a_check_sees_only_its_own(tmp_path, monkeypatch):
+    slots = gpu_check.GpuSlots(["3", "5"])
+    taken = [slots.take() for _ in range(3)]
+    assert taken == ["3", "5", "3"]  # the least busy, the first of them on a tie
+    slots.give_back("3")
+    slots.give_back("3")
+    assert slots.take() == "3" and slots.running == {"3": 1, "5": 1}
+    monkeypatch.setattr(gpu_check, "gpu_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a, GPU-b,GPU-c")
+    assert gpu_check.visible_gpus() == ["GPU-a", "GPU-b"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert gpu_check.visible_gpus() == ["0", "1"]
+    monkeypatch.setattr(gpu_check, "gpu_count", lambda: 0)
+    assert gpu_check.visible_gpus() == [None]
+    (tmp_path / "logs").mkdir()
+    seen = tmp_path / "seen"
+    body = f"open({str(seen)!r}, 'a').write(os.environ.get('CUDA_VISIBLE_DEVICES', '-') + ' ')"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    for check, gpu in ((fake_check(tmp_path, body), "1"), (fake_check(tmp_path, body, every_gpu=True), "1"),
+                       (fake_check(tmp_path, body), None)):
+        assert gpu_check.run_check(check, str(tmp_path / "logs"), gpu).status == "ok"
+    assert seen.read_text() == "1 0,1 0,1 "  # pinned; torchrun's sees both; no GPU: as it was
+    monkeypatch.setattr(gpu_check, "gpu_count", lambda: 2)
+    checks = the_checks(tmp_path)
+    assert [name for name, check in checks.items() if check.every_gpu] == ["torchrun x2"]
