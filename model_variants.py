@@ -264,9 +264,9 @@ VARIANTS: dict[str, GPTConfig] = {
     # The combination the user's performance analysis recommended first (it expected 1.6-1.8x):
     "d12_lite": replace(D12, n_kv_head=4, attn_impl="flash", mlp_ratio=3),
     # The user's plans' ideas, NoCap's own setup and published ones only (no part of the modded-nanogpt lineage):
-    # d12 with a ReLU² MLP (Primer: So et al. 2021), 4x as d12's; its recipe (RECIPES) brings the optimizer, batch,
-    # schedule and curriculum.
-    "d12_nocap": replace(D12, mlp_act="relu2"),
+    # d12 with a ReLU² MLP (Primer: So et al. 2021), 4x as d12's, and value residual learning (ResFormer: Zhou et al.
+    # 2024); its recipe (RECIPES) brings the optimizer, batch, schedule and curriculum.
+    "d12_nocap": replace(D12, mlp_act="relu2", value_residual=True),
     # The measured-best recipe: each part's P100 measurement is in docs/RESULTS.md ("d12_fast's parts"; the
     # older parts' P40 rows in the notebook at d81deca, docs/measurements/README.md).
     "d12_fast": replace(

@@ -325,10 +325,10 @@ def test_nocaps_rows_are_scored_once_where_the_run_ends(tmp_path, shards, target
     assert summary["final_val_loss_1024"] == next(m["val_loss_1024"] for m in records if "val_loss_1024" in m)
 
 
-def test_d12_nocap_is_d12_relu2_with_soap_small_steps_the_curriculum_and_a_self_sized_decay():
+def test_d12_nocap_is_d12_relu2_value_residual_with_soap_small_steps_the_curriculum_and_a_self_sized_decay():
     from model_variants import VARIANTS
     args = checked_flags("--model", "d12_nocap")  # its recipe is a valid run
-    assert VARIANTS["d12_nocap"] == replace(D12, mlp_act="relu2") and D12.mlp_ratio == 4
+    assert VARIANTS["d12_nocap"] == replace(D12, mlp_act="relu2", value_residual=True) and D12.mlp_ratio == 4
     assert (args.optimizer, args.soap_lr, args.learning_rate, args.lr_schedule) == ("soap", 3e-3, 8e-4, "target")
     assert args.num_iterations * args.total_batch_size == 4768 * 524_288  # the longest run: NoCap's baseline tokens
     assert args.accumulation(1) == 4  # four micro-batches of 16 rows of 1024 tokens
