@@ -145,6 +145,11 @@ class TrainConfig:
     soap_max_dim: int = flag("optimization", 10000,
                 "--optimizer soap: a matrix side longer than this keeps its axes, Adam along it (SOAP's "
                 "max_precond_dim): no statistics or basis of that size, each a product and a QR of it")
+    soap_block: int = flag("optimization", 0,
+                "--optimizer soap: a matrix side (of each map of a fused projection) longer than this splits into the "
+                "fewest equal blocks no longer, each block preconditioned as a matrix of its own (blocked Shampoo, "
+                "Anil et al. 2020): a refresh's products and QR of that side shrink with the square of the block "
+                "count; 0: whole sides")
     soap_bases: str = flag("optimization", "bf16",
                 "--optimizer soap: the eigenbases' precision, and so the step's products' (into the bases, out, the "
                 "statistics): bf16 (twice TF32's rate on Hopper; moments, statistics and each refresh stay fp32; "
@@ -369,6 +374,8 @@ class TrainConfig:
                 raise InputError(f"--{name} {getattr(self, name)} must be a finite number >= 0")
         if self.soap_max_dim < 1:
             raise InputError(f"--soap_max_dim {self.soap_max_dim} must be >= 1 (the longest side given a basis)")
+        if self.soap_block < 0:
+            raise InputError(f"--soap_block {self.soap_block} must be >= 0 (the longest block side; 0: whole sides)")
         if self.soap_update_every < 1:
             raise InputError(f"--soap_update_every {self.soap_update_every} must be >= 1 (steps between refreshes)")
         if not 0 <= self.normuon_beta2 < 1:

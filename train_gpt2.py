@@ -1157,6 +1157,19 @@ def fused_maps(model: GPT) -> dict[int, tuple[int, int]]:
     return fused
 
 
+def soap_grids(hidden: list[nn.Parameter], maps: dict[int, tuple[int, int]], block: int
+               ) -> dict[nn.Parameter, tuple[int, int]]:
+    """Each hidden matrix's grid of pieces (rows, columns) for SOAP: its grid of maps (`maps`, by id; else one),
+    each map's side cut into the fewest equal blocks no longer than `block` (0: not cut)."""
+    def blocks(side: int) -> int:
+        return next(k for k in range(1, side + 1) if side % k == 0 and side // k <= block) if block else 1
+    grids = {}
+    for p in hidden:
+        grid = maps.get(id(p), (1, 1))
+        grids[p] = tuple(k * blocks(side // k) for k, side in zip(grid, p.shape))
+    return grids
+
+
 def make_optimizer(model: GPT, flags: TrainConfig, device: torch.device, compiled: bool = False) -> Optimizers:
     """The optimizers of flags.optimizer; compiled: Muon's update is compiled too."""
     adamw = dict(betas=(0.9, 0.95), weight_decay=flags.weight_decay, fused=device.type == "cuda")
@@ -1189,9 +1202,10 @@ def make_optimizer(model: GPT, flags: TrainConfig, device: torch.device, compile
     if flags.optimizer == "soap":
         # Each map of a fused projection its own matrix (q, k, v; gate, up): bases of 768 and 2048 rows, not 2304
         # and 4096, fewer flops a refresh, and a lower loss than one basis across maps that learn apart.
-        grids = fused_maps(model)
-        by_grid = {grid: [p for p in hidden if grids.get(id(p), (1, 1)) == grid] for grid in {(1, 1), *grids.values()}}
-        matrices = SOAP([dict(params=params, pieces=grid) for grid, params in by_grid.items() if params],
+        by_grid: dict[tuple[int, int], list[nn.Parameter]] = {}
+        for p, grid in soap_grids(hidden, fused_maps(model), flags.soap_block).items():
+            by_grid.setdefault(grid, []).append(p)
+        matrices = SOAP([dict(params=params, pieces=grid) for grid, params in by_grid.items()],
                         lr=flags.soap_lr, weight_decay=flags.weight_decay,
                         precondition_frequency=flags.soap_update_every, max_dim=flags.soap_max_dim,
                         basis_dtype=torch.bfloat16 if flags.soap_bases == "bf16" else torch.float32)
@@ -1579,6 +1593,11 @@ def resumed_flags(ckpt: dict, path: str, flags: TrainConfig, data: list) -> str:
         raise InputError(f"--optimizer {flags.optimizer}: {path} holds the state of --optimizer {theirs['optimizer']}, "
                          f"which {flags.optimizer} cannot take; resume with --optimizer {theirs['optimizer']}, or "
                          "start a new run")
+    for name in ("soap_block", "soap_max_dim") if flags.optimizer == "soap" else ():  # they shape SOAP's state
+        saved = theirs.get(name, TrainConfig.__dataclass_fields__[name].default)
+        if saved != getattr(flags, name):
+            raise InputError(f"--{name} {getattr(flags, name)}: {path} holds SOAP state shaped by --{name} {saved}; "
+                             f"resume with --{name} {saved}, or start a new run")
     if ckpt.get("data") != data and not flags.resume_new_data:
         shards = ckpt.get("data") or []
         raise InputError(f"--input_bin: {path} was trained on {len(shards)} shard(s) of "

@@ -30,6 +30,7 @@ def test_unknown_model_suggests_close_names(tmp_path, shards, capsys):
     (["--optimizer", "muon", "--muon_lr", "-0.02"], "--muon_lr -0.02 must be a finite number >= 0"),
     (["--normuon_beta2", "1"], "--normuon_beta2 1.0 must be in [0, 1) (e.g. 0.95; 0: off)"),
     (["--optimizer", "soap", "--soap_max_dim", "0"], "--soap_max_dim 0 must be >= 1"),
+    (["--optimizer", "soap", "--soap_block", "-1"], "--soap_block -1 must be >= 0"),
     (["--optimizer", "muon", "--cautious_weight_decay", "-1"],
      "--cautious_weight_decay -1.0 must be a finite number >= 0"),
     (["--sequence_length", "2048"], "pass --block_size 2048"),

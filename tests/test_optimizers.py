@@ -538,6 +538,20 @@ def test_soap_preconditions_q_k_v_and_the_gate_and_up_projections_each_on_its_ow
     assert len(grids) == sum(isinstance(m, torch.nn.Linear) for m in model.transformer.h.modules())
 
 
+@pytest.mark.parametrize("block, attn, proj, fc", [(0, (3, 1), (1, 1), (1, 1)), (64, (3, 1), (1, 1), (4, 1)),
+                                                   (48, (6, 2), (2, 2), (8, 2)), (100, (3, 1), (1, 1), (4, 1))])
+def test_soap_block_cuts_each_maps_long_sides_into_the_fewest_equal_blocks_no_longer(block, attn, proj, fc):
+    from model_variants import TINY, with_overrides
+    from train_gpt2 import GPT, make_optimizer
+    model = GPT(with_overrides(TINY, vocab_size=64))  # width 64: q, k, v fused (192 x 64), an MLP of 256
+    flags = train_flags("--optimizer", "soap", "--soap_block", str(block))
+    soap = make_optimizer(model, flags, torch.device("cpu")).optimizers[0]
+    grids = {id(p): group["pieces"] for group in soap.param_groups for p in group["params"]}
+    for layer in model.transformer.h:  # 48: 64 in two of 32, 256 in eight; 100: 256 in four of 64
+        assert grids[id(layer.attn.c_attn.weight)] == attn and grids[id(layer.attn.c_proj.weight)] == proj
+        assert grids[id(layer.mlp.c_fc.weight)] == fc and grids[id(layer.mlp.c_proj.weight)] == fc[::-1]
+
+
 def test_soap_takes_the_hidden_matrices_and_adamw_the_rest():
     from model_variants import TINY, with_overrides
     from optimizers import SOAP

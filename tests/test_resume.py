@@ -78,6 +78,16 @@ def test_another_optimizer_is_refused_in_one_line(tmp_path, shards, capsys, monk
                                  "a new run\n")
 
 
+@pytest.mark.parametrize("flag, value, saved", [("--soap_block", "32", "0"), ("--soap_max_dim", "64", "10000")])
+def test_soap_state_shaped_by_other_blocks_or_sides_is_refused_in_one_line(tmp_path, shards, capsys, monkeypatch,
+                                                                            flag, value, saved):
+    code, _, err = four_steps_then_resume(capsys, monkeypatch, shards, tmp_path, "run", flag, value,
+                                          both=("--optimizer", "soap"))
+    assert code == 2 and err == (f"error: {flag} {value}: {tmp_path / 'run' / 'ckpt_000004.pt'} holds SOAP state "
+                                 f"shaped by {flag} {saved}; resume with {flag} {saved}, or start a new run\n")
+    assert (tmp_path / "run" / "ckpt_000004.pt").exists()  # nothing lost
+
+
 def test_optimizer_state_grouped_otherwise_is_refused_in_one_line(tmp_path, shards, capsys, monkeypatch):
     # SOAP's state as a trainer that kept each fused projection as one matrix wrote it: one group, not one per grid.
     import train_gpt2

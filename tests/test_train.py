@@ -175,6 +175,7 @@ def test_total_batch_size_derives_accumulation(tmp_path, shards, capsys):
                                        "soap --soap_update_every 3 --soap_max_dim 100",  # bases for the 64 sides only
                                        "soap --soap_update_every 3 --soap_bases fp32",
                                        "soap --soap_update_every 3 --mlp_act swiglu",  # in pieces
+                                       "soap --soap_update_every 3 --soap_block 48",  # in blocks of 32
                                        "muon --normuon_beta2 0.95 --cautious_weight_decay 1.2",
                                        "adamw --sampled_softmax 64",
                                        "muon --untie_at 0.375", "adamw --untie_at 0.75"])  # untied before / after 4
