@@ -148,8 +148,8 @@ class TrainConfig:
     soap_block: int = flag("optimization", 0,
                 "--optimizer soap: a matrix side (of each map of a fused projection) longer than this splits into the "
                 "fewest equal blocks no longer, each block preconditioned as a matrix of its own (blocked Shampoo, "
-                "Anil et al. 2020): a refresh's products and QR of that side shrink with the square of the block "
-                "count; 0: whole sides")
+                "Anil et al. 2020): that side's products and QR in a refresh shrink by the square of the block "
+                "count, the other side's grow by the count (one basis per block); 0: whole sides")
     soap_bases: str = flag("optimization", "bf16",
                 "--optimizer soap: the eigenbases' precision, and so the step's products' (into the bases, out, the "
                 "statistics): bf16 (twice TF32's rate on Hopper; moments, statistics and each refresh stay fp32; "
