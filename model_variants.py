@@ -264,9 +264,9 @@ VARIANTS: dict[str, GPTConfig] = {
     # The combination the user's performance analysis recommended first (it expected 1.6-1.8x):
     "d12_lite": replace(D12, n_kv_head=4, attn_impl="flash", mlp_ratio=3),
     # The user's plans' ideas, NoCap's own setup and published ones only (no part of the modded-nanogpt lineage):
-    # d12 with a ReLU² MLP (Primer: So et al. 2021), 4x as d12's, and value residual learning (ResFormer: Zhou et al.
-    # 2024); its recipe (RECIPES) brings the optimizer, batch, schedule and curriculum.
-    "d12_nocap": replace(D12, mlp_act="relu2", value_residual=True),
+    # d12 with a ReLU² MLP (Primer: So et al. 2021), 4x as d12's, value residual learning (ResFormer: Zhou et al.
+    # 2024) and QK-norm (Henry et al. 2020); its recipe (RECIPES) brings the optimizer, batch, schedule and curriculum.
+    "d12_nocap": replace(D12, mlp_act="relu2", value_residual=True, qk_norm=True),
     # The measured-best recipe: each part's P100 measurement is in docs/RESULTS.md ("d12_fast's parts"; the
     # older parts' P40 rows in the notebook at d81deca, docs/measurements/README.md).
     "d12_fast": replace(
@@ -328,13 +328,15 @@ RECIPES: dict[str, dict] = {
         # the host would one by one.
         compile_tuning="combo_kernels"),
     # Each part from a paper (docs/RESULTS.md, "d12_nocap"): SOAP on the blocks' matrices (Vyas et al. 2024), each map
-    # of a fused projection apart, AdamW on the rest; 65,536 tokens per step, 8x fewer than NoCap's (below the
-    # critical batch size small batches learn more per token: McCandlish et al. 2018); rows of 256 tokens doubling to
-    # 1024 (sequence-length warmup: Li et al. 2022). The run sizes itself as the baseline does (--lr_schedule target:
-    # a warmup-stable-decay shape, Hu et al. 2024, its decay started when the curve says a decay as long as the steps
-    # before it ends at 3.3821), within NoCap's 2.5B tokens and a quarter more at a tenth of the peak. The warmup (5%)
-    # and the curriculum (20%) are shares of the ~1.0B tokens the proxy reads for it.
-    "d12_nocap": dict(optimizer="soap", soap_lr=3e-3, learning_rate=8e-4, total_batch_size=65536,
+    # of a fused projection apart and the MLP's in blocks of 768 (blocked Shampoo: Anil et al. 2020; a basis refresh
+    # 3.4x cheaper, the loss within the seeds' spread), AdamW on the rest; 65,536 tokens per step, 8x fewer than
+    # NoCap's (below the critical batch size small batches learn more per token: McCandlish et al. 2018); rows of 256
+    # tokens doubling to 1024 (sequence-length warmup: Li et al. 2022). The run sizes itself as the baseline does
+    # (--lr_schedule target: a warmup-stable-decay shape, Hu et al. 2024, its decay started when the curve says a
+    # decay as long as the steps before it ends at 3.3821), within NoCap's 2.5B tokens and a quarter more at a tenth
+    # of the peak. The warmup (50M tokens) and the curriculum (200M) are ~5% and ~20% of the 0.85-1.0B tokens the
+    # proxy reads for it.
+    "d12_nocap": dict(optimizer="soap", soap_lr=3e-3, soap_block=768, learning_rate=8e-4, total_batch_size=65536,
                       num_iterations=38144, lr_schedule="target", warmup_iters=763, warmdown_iters=38144,
                       lr_floor=0.1, overtime_steps=9536, cooldown_drop=0.3, curriculum_iters=3052,
                       val_loss_every="auto"),

@@ -12,7 +12,7 @@ the project's own command (the scripts with SETUP=0: the machine is set up, the 
     resume         the main job stopped by SIGTERM after a few steps, then --resume auto to its end
     baseline       baseline.sh's trainer line (d12, NoCap's flags, self-sized)
     throughput     throughput.sh for d12_fast and d12
-    nocap job      train.sh --model d12_nocap: SOAP (its bases refreshed), the curriculum, self-sized, as the main job
+    nocap job      train.sh --model d12_nocap: SOAP in blocks, refreshed; the curriculum; self-sized as the main job
     P100 <model>   proxy.py's P100 form of each recipe, with its FineWeb checks; "P100 parts": d12_fast with every
                    part its recipe leaves off (their GPU paths: the multi-target head, the untie);
                    "P100 nocap_parts": d12_nocap with the papers' parts it leaves off
@@ -49,8 +49,8 @@ from common import ArgumentParser, InputError  # noqa: E402
 # 4,096 tokens. A small bigram table keeps them all under a 24 GB card's cap.
 PARTS = "--later_targets 0.5,0.25 --untie_at 0.5 --bigram_table 4096"
 # The papers' parts d12_nocap's recipe leaves off, on its SOAP: attention within documents by the varlen flash
-# kernel, QK-norm, soft-capped logits, z-loss.
-NOCAP_PARTS = "--doc_mask true --attn_impl varlen --qk_norm true --logit_softcap 30 --z_loss 1e-4"
+# kernel, soft-capped logits, z-loss.
+NOCAP_PARTS = "--doc_mask true --attn_impl varlen --logit_softcap 30 --z_loss 1e-4"
 PEAK_FILE = "GPU_CHECK_PEAK_FILE"  # where a tool run under the cap writes its peak memory (MiB)
 
 

@@ -238,10 +238,10 @@ def test_list_models(capsys):
     assert recipes["d12_fast"].startswith("--model d12_fast also sets: --optimizer muon")
     assert recipes["d12_fast"].endswith(" --compile_tuning combo_kernels")  # as the flags are typed
     assert recipes["d12_nocap"] == ("--model d12_nocap also sets: --optimizer soap --soap_lr 0.003 "
-                                    "--learning_rate 0.0008 --total_batch_size 65536 --num_iterations 38144 "
-                                    "--lr_schedule target --warmup_iters 763 --warmdown_iters 38144 --lr_floor 0.1 "
-                                    "--overtime_steps 9536 --cooldown_drop 0.3 --curriculum_iters 3052 "
-                                    "--val_loss_every auto")
+                                    "--soap_block 768 --learning_rate 0.0008 --total_batch_size 65536 "
+                                    "--num_iterations 38144 --lr_schedule target --warmup_iters 763 "
+                                    "--warmdown_iters 38144 --lr_floor 0.1 --overtime_steps 9536 --cooldown_drop 0.3 "
+                                    "--curriculum_iters 3052 --val_loss_every auto")
     assert rows["d12"].split()[5:7] == ["123.5M", "123.5M"]  # 50257*768 + 12*12*768^2, all active
     assert rows["d12_moe"].split()[5:7] == ["293.5M", "123.6M"] and "moe_experts=8" in rows["d12_moe"]
     assert rows["d12_gqa"].split()[3] == "4" and rows["d12_gqa"].endswith("n_kv_head=4")

@@ -13,7 +13,7 @@ import torch
 from conftest import REPO, checked_flags, read_metrics, shrink, tiny_run_args, train_flags, train_losses
 from model_variants import D12, TINY
 from plan_ideas import blocks_to_drop
-from train_gpt2 import GPT, main, micro_batch_seed, model_from_checkpoint, warm_up_steps
+from train_gpt2 import GPT, main, make_optimizer, micro_batch_seed, model_from_checkpoint, warm_up_steps
 from schedule import Schedule, lr_scale
 from optimizers import Lion
 
@@ -325,15 +325,23 @@ def test_nocaps_rows_are_scored_once_where_the_run_ends(tmp_path, shards, target
     assert summary["final_val_loss_1024"] == next(m["val_loss_1024"] for m in records if "val_loss_1024" in m)
 
 
-def test_d12_nocap_is_d12_relu2_value_residual_with_soap_small_steps_the_curriculum_and_a_self_sized_decay():
+def test_d12_nocap_is_d12_relu2_value_residual_qk_norm_with_blocked_soap_small_steps_the_curriculum_and_sizing():
     from model_variants import VARIANTS
     args = checked_flags("--model", "d12_nocap")  # its recipe is a valid run
-    assert VARIANTS["d12_nocap"] == replace(D12, mlp_act="relu2", value_residual=True) and D12.mlp_ratio == 4
+    assert VARIANTS["d12_nocap"] == replace(D12, mlp_act="relu2", value_residual=True, qk_norm=True)
+    assert D12.mlp_ratio == 4
     assert (args.optimizer, args.soap_lr, args.learning_rate, args.lr_schedule) == ("soap", 3e-3, 8e-4, "target")
+    with torch.device("meta"):  # d12's size, no memory: each map of q, k, v apart, the MLP's 3072 sides in four
+        model = GPT(VARIANTS["d12_nocap"])
+    soap = make_optimizer(model, args, torch.device("cpu")).optimizers[0]
+    grids = {id(p): group["pieces"] for group in soap.param_groups for p in group["params"]}
+    layer = model.transformer.h[0]
+    assert [grids[id(m.weight)] for m in (layer.attn.c_attn, layer.attn.c_proj, layer.mlp.c_fc, layer.mlp.c_proj)] \
+        == [(3, 1), (1, 1), (4, 1), (1, 4)]
     assert args.num_iterations * args.total_batch_size == 4768 * 524_288  # the longest run: NoCap's baseline tokens
     assert args.accumulation(1) == 4  # four micro-batches of 16 rows of 1024 tokens
     rows = [Schedule.of(args, D12.window).at(step).row_length for step in (0, 1525, 1526, 3051, 3052)]
-    assert rows == [256, 256, 512, 512, 1024]  # over the first 20% of the ~1.0B tokens it is read to need
+    assert rows == [256, 256, 512, 512, 1024]  # over 200M tokens: ~20% of the 0.85-1.0B it is read to need
     lr = [lr_scale(step, args) for step in (0, 762, 763, 19_071, 28_608, 38_143, 38_144)]
     assert 0 < lr[0] < 0.002 and lr[1] == lr[2] == lr[3] == 1.0  # a 5% warmup, then the peak
     # Until the run chooses its decay, the latest one: over the longest run's second half, to a tenth of the peak.
@@ -365,8 +373,8 @@ def test_d12_nocaps_job_trains_with_soap_the_curriculum_and_its_own_sizing_toget
     summary = json.loads((tmp_path / "nocap" / "summary.json").read_text())
     assert code == 0 and summary["status"] == "missed_target" and summary["steps"] == 24 + 6
     assert rows[:6] == [8, 8, 16, 16, 32, 32] and set(rows[6:]) == {32}  # two micro-batches a step
-    # Twice (SOAP's 10th and 20th updates: its first step builds the bases), once per shape: each of q, k, v; of
-    # gate, up; the attention's and the MLP's output projections.
+    # Twice (SOAP's 10th and 20th updates: its first step builds the bases), once per shape: the fused q, k, v
+    # (each map apart), the attention's output projections, the MLP's two matrices.
     assert len(refreshes) == 2 * 4
     lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "nocap") if "lr" in r}
     # Step s trains at the rate of the schedule's step s - 1: the peak to halfway, then straight down over 12 steps.

@@ -87,9 +87,10 @@ def test_d12_fasts_p100_form_is_its_recipe_at_100m_tokens():
 
 def test_d12_nocaps_p100_form_is_the_measured_command_at_d12_at_p100s_tokens():
     spec, args = trainer_view("P100", "d12_nocap")
-    measured_spec, measured = trainer_view("P100", "d12_swiglu --optimizer soap --grad_accumulation_steps 4 "
-                                                   "--num_iterations 1524 --learning_rate 8e-4 --warmup_iters 76 "
-                                                   "--warmdown_iters 1448 --curriculum_iters 304 --val_loss_every 48")
+    measured_spec, measured = trainer_view("P100", "d12_swiglu --optimizer soap --soap_block 768 "
+                                                   "--grad_accumulation_steps 4 --num_iterations 1524 "
+                                                   "--learning_rate 8e-4 --warmup_iters 76 --warmdown_iters 1448 "
+                                                   "--curriculum_iters 304 --val_loss_every 48")
     assert (spec.steps, spec.tokens_per_step) == (measured_spec.steps, measured_spec.tokens_per_step) == (1524, 65_536)
     assert spec.tokens == 99_876_864  # d12@P100's
     differ = {k for k in args if args[k] != measured[k]}
