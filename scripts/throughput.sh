@@ -13,7 +13,7 @@
 # k-th round's runs are NAME-k). DATA_DIR holds mix_train_000001.bin, mix_train_000002.bin and mix_val_000000.bin
 # (decompressed from ../shared/data/proxy). Default: d12_fast. MEMORY_CAP_GIB=none drops the cap (without a GPU
 # there is none).
-# Output: logs/throughput-<time>/<name>/ per run, then the comparison table on stdout.
+# Output: logs/throughput-<time>-<4 characters>/<name>/ per run, then the comparison table on stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -52,7 +52,9 @@ for spec in "${models[@]}"; do
   fi
   names+=("$name") specs+=("$text")
 done
-output_dir="${OUTPUT_DIR:-logs}/throughput-$(date +%Y%m%d-%H%M%S)"
+# A folder of its own, even beside a list started in the same second (one per GPU).
+mkdir -p "${OUTPUT_DIR:-logs}"
+output_dir=$(mktemp -d "${OUTPUT_DIR:-logs}/throughput-$(date +%Y%m%d-%H%M%S)-XXXX")
 runs=()
 for round in $(seq 1 "${ROUNDS:-1}"); do
   for i in "${!specs[@]}"; do

@@ -115,6 +115,23 @@ def test_throughput_sh_alternates_named_specs_over_rounds(tmp_path):
     assert json.loads((work / "tiny" / "config.json").read_text())["args"]["memory_cap_gib"] is None
 
 
+def test_throughput_sh_lists_started_in_the_same_second_get_folders_of_their_own(tmp_path):
+    make_shards(tmp_path / "p40", prefix="mix")
+    clock = tmp_path / "bin"
+    clock.mkdir()
+    (clock / "date").write_text("#!/bin/sh\necho 20261130-072141\n")  # every launch in one second
+    (clock / "date").chmod(0o755)
+    env = {"OUTPUT_DIR": str(tmp_path / "logs"), "PATH": f"{clock}:{os.environ['PATH']}"}
+    for _ in range(2):
+        result = bash("scripts/throughput.sh", str(tmp_path / "p40"), "tiny", "--", "--vocab_size", "256",
+                      "--device", "cpu", "--batch_size", "2", "--sequence_length", "32", "--n_layer", "1",
+                      "--n_embd", "32", "--n_head", "2", "--val_batch_size", "2", "--val_tokens", "256",
+                      env_extra=env)
+        assert result.returncode == 0, result.stderr[-2000:]
+    folders = sorted((tmp_path / "logs").glob("throughput-20261130-072141-*"))
+    assert len(folders) == 2 and all((folder / "tiny" / "summary.json").exists() for folder in folders)
+
+
 @pytest.mark.parametrize("specs, rounds, message", [
     (["tiny", "tiny:d12 --n_layer 1"], "1", "two specs are named tiny"),
     (["tiny"], "two", "ROUNDS=two"),
